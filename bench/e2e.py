@@ -1,0 +1,272 @@
+"""Training runs through the real job path: max_staleness 0 vs 4 in one invocation.
+
+    .venv/bin/python bench/e2e.py [--steps 30] [--staleness 0,4]
+
+Starts a private Steep (fresh DATA_DIR and SQLite database under .steep/bench/,
+uvicorn, a Celery worker with beat, a local Ray head on free ports), then for each
+max_staleness creates a dataset-mode run of the toy task (rl_core.toy, TOY_SETTINGS)
+through the REST API, starts it, and measures while it runs:
+
+- trajectories trained per second: sessions marked trained ÷ (finished_at − started_at);
+- time per weight update: mean of the job's ``timing/weight_sync`` metric (save → pause
+  → update_weights_from_disk → continue);
+- inference utilisation: the torch engine's ``busy_seconds`` (time inside prefill/decode
+  steps, from ``/get_server_info``) over the wall time it was sampled.
+Everything it starts is stopped at the end; results go to stdout (markdown) and --json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait(check, timeout: float, what: str, interval: float = 1.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(interval)
+    raise SystemExit(f"timed out waiting for {what}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--staleness", default="0,4")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    sys.path.insert(0, str(ROOT))
+    from rl_core.tiny import build_tiny_model
+    from rl_core.toy import TOY_SETTINGS, toy_rows
+
+    work = ROOT / ".steep" / "bench" / f"e2e-{time.strftime('%Y%m%d-%H%M%S')}"
+    data_dir = work / "data"
+    data_dir.mkdir(parents=True)
+    port = free_port()
+    env = dict(os.environ)
+    for name in ("DATABASE_URL", "REDIS_URL", "RAY_ADDRESS"):
+        env.pop(name, None)
+    env.update(
+        DATA_DIR=str(data_dir),
+        SITE_URL=f"http://127.0.0.1:{port}",
+        DEBUG="true",
+        PYTHONUNBUFFERED="1",
+        RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
+        RAY_LOCAL_DASHBOARD_PORT=str(free_port()),
+        RAY_LOCAL_GCS_PORT=str(free_port()),
+        RAY_NUM_CPUS="4",
+        STEEP_TORCH_THREADS="1",
+        SECRET_KEY=secrets.token_urlsafe(32),
+    )
+    manage = [sys.executable, "manage.py"]
+    subprocess.run([*manage, "migrate", "-v0"], cwd=ROOT, env=env, check=True)
+    key = (
+        subprocess.run(
+            [*manage, "create_api_key", "--project", "bench"],
+            cwd=ROOT,
+            env=env,
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        .stdout.strip()
+        .splitlines()[-1]
+    )
+    model = build_tiny_model(work / "tiny-chat")
+    procs = []
+    for name, command in {
+        "web": [
+            str(BIN / "uvicorn"),
+            "webapp.asgi:application",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--lifespan",
+            "off",
+            "--log-level",
+            "warning",
+        ],
+        "worker": [
+            str(BIN / "celery"),
+            "-A",
+            "workers",
+            "worker",
+            "-B",
+            "--pool=threads",
+            "--concurrency=4",
+            "-l",
+            "warning",
+            "--schedule",
+            str(work / "beat"),
+        ],
+    }.items():
+        procs.append(
+            subprocess.Popen(
+                command,
+                cwd=ROOT,
+                env=env,
+                stdout=open(work / f"{name}.log", "w"),
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        )
+    rest = httpx.Client(
+        base_url=f"http://127.0.0.1:{port}/api/v1",
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=30,
+    )
+    results = []
+    try:
+        wait(lambda: _up(rest), 60, "the web server")
+        body = "".join(json.dumps(row) + "\n" for row in toy_rows(256)).encode()
+        dataset = rest.post(
+            "/datasets/", data={"name": "toy"}, files={"file": ("toy.jsonl", body)}
+        ).json()
+        for staleness in [int(s) for s in args.staleness.split(",")]:
+            results.append(
+                measure(rest, env, dataset["id"], model, staleness, args.steps, TOY_SETTINGS)
+            )
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        os.environ.update({k: env[k] for k in ("DATA_DIR", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")})
+        from workers.ray_cluster import stop_local_cluster
+
+        stop_local_cluster(data_dir=data_dir)
+        shutil.rmtree(data_dir / "runs", ignore_errors=True)
+    print(table(results, args.steps))
+    if len(results) == 2 and results[0]["trajectories_per_s"]:
+        print(
+            f"\nasync/sync trajectories per second: {results[1]['trajectories_per_s'] / results[0]['trajectories_per_s']:.2f}x"
+        )
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+def _up(rest: httpx.Client) -> bool:
+    try:
+        return rest.get("/project/").status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def measure(rest, env, dataset_id, model, staleness: int, steps: int, toy: dict) -> dict:
+    settings = {**toy, "max_staleness": staleness, "max_steps": steps, "save_every": steps}
+    run = rest.post(
+        "/runs/",
+        json={
+            "name": f"staleness-{staleness}",
+            "mode": "dataset",
+            "base_model": str(model),
+            "dataset": dataset_id,
+            **settings,
+        },
+    ).json()
+    rest.post(f"/runs/{run['id']}/start/")
+    samples: list[tuple[float, float]] = []  # (time, engine busy_seconds)
+    database = Path(env["DATA_DIR"]) / "steep.sqlite3"
+    while True:
+        state = rest.get(f"/runs/{run['id']}/").json()
+        if state["status"] in ("completed", "failed", "stopped"):
+            break
+        for url in _servers(database, run["id"]):
+            try:
+                info = httpx.get(f"{url}/get_server_info", timeout=5).json()
+                samples.append((time.monotonic(), info["internal_states"][0]["busy_seconds"]))
+            except (httpx.HTTPError, KeyError, IndexError):
+                pass
+        time.sleep(1.0)
+    if state["status"] != "completed":
+        raise SystemExit(
+            f"run staleness-{staleness} ended {state['status']}: {state['error'][:2000]}"
+        )
+    from datetime import datetime
+
+    wall = (
+        datetime.fromisoformat(state["finished_at"]) - datetime.fromisoformat(state["started_at"])
+    ).total_seconds()
+    trained = rest.get(
+        "/sessions/", params={"run": run["id"], "status": "trained", "page_size": 1}
+    ).json()["count"]
+    sync = [p["value"] for p in _metric(rest, run["id"], "timing/weight_sync")]
+    rewards = [p["value"] for p in _metric(rest, run["id"], "rollout/reward")]
+    utilisation = (
+        (samples[-1][1] - samples[0][1]) / (samples[-1][0] - samples[0][0])
+        if len(samples) > 1
+        else float("nan")
+    )
+    return {
+        "max_staleness": staleness,
+        "steps": steps,
+        "wall_s": wall,
+        "trajectories_trained": trained,
+        "trajectories_per_s": trained / wall if wall else 0.0,
+        "weight_update_s": statistics.mean(sync) if sync else float("nan"),
+        "inference_utilisation": utilisation,
+        "reward_first5": statistics.mean(rewards[:5]) if rewards else float("nan"),
+        "reward_last5": statistics.mean(rewards[-5:]) if rewards else float("nan"),
+    }
+
+
+def _servers(database: Path, run_id: str) -> list[str]:
+    import sqlite3
+
+    with sqlite3.connect(database, timeout=5) as db:
+        rows = db.execute(
+            "SELECT url FROM gateway_inferenceserver WHERE run_id = ?", (run_id.replace("-", ""),)
+        ).fetchall()
+    return [row[0] for row in rows]
+
+
+def _metric(rest, run_id: str, name: str) -> list[dict]:
+    out, page = [], f"/runs/{run_id}/metrics/?name={name}&page_size=500"
+    while page:
+        body = rest.get(page).json()
+        out += body["results"]
+        page = body["next"]
+    return out
+
+
+def table(results: list[dict], steps: int) -> str:
+    lines = [
+        f"| max_staleness | time to {steps} steps (s) | trajectories trained | trajectories/s | time per weight update (s) | inference utilisation | reward first 5 → last 5 |",
+        "|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r['max_staleness']} | {r['wall_s']:.1f} | {r['trajectories_trained']} | {r['trajectories_per_s']:.1f} | "
+            f"{r['weight_update_s']:.3f} | {r['inference_utilisation']:.0%} | {r['reward_first5']:.2f} → {r['reward_last5']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,332 @@
+"""Run configuration: one dataclass, validated once, shared by the web app and the trainer.
+
+Every field carries a one-line ``help`` in its metadata; the REST serializer and
+the dashboard form are built from these fields, so a setting is documented and
+validated in exactly one place. This module imports nothing heavy (no torch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+MODES = ("online", "dataset")
+INFERENCE_BACKENDS = ("auto", "torch", "sglang")
+ADVANTAGE_ESTIMATORS = ("auto", "grpo", "rloo", "reinforce_pp")
+REWARD_TYPES = ("exact_match", "regex", "math", "python")
+RATIO_LEVELS = ("token", "sequence")
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean")
+KL_ESTIMATORS = ("k1", "k3")
+LR_SCHEDULES = ("constant", "linear", "cosine")
+
+_DOTTED_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+class ConfigError(ValueError):
+    """A run config is invalid. ``errors`` maps each bad field to its messages."""
+
+    def __init__(self, errors: dict[str, list[str]]):
+        self.errors = errors
+        summary = "; ".join(f"{name}: {' '.join(msgs)}" for name, msgs in errors.items())
+        super().__init__(f"invalid run config: {summary}")
+
+
+def _f(default: Any, help: str, **meta: Any) -> Any:
+    if isinstance(default, (dict, list)):
+        return field(
+            default_factory=lambda: type(default)(default), metadata={"help": help, **meta}
+        )
+    return field(default=default, metadata={"help": help, **meta})
+
+
+@dataclass
+class RunConfig:
+    """Everything a training run needs besides its name and dataset.
+
+    Defaults are sensible for a small model on one machine. ``RunConfig.from_dict``
+    is the only way user input becomes a config; it raises ``ConfigError`` naming
+    each wrong field and what to set instead.
+    """
+
+    # What to train
+    mode: str = _f(
+        "dataset",
+        "online: agents call the base_url; dataset: Steep samples prompts from a dataset.",
+        choices=MODES,
+    )
+    base_model: str = _f(
+        "", "Local path or Hugging Face id of the causal LM to train.", required=True
+    )
+    reward: dict = _f(
+        {},
+        'Dataset mode reward, e.g. {"type": "exact_match"}, {"type": "regex", "pattern": "..."}, {"type": "math"}, {"type": "python", "path": "module:function"}.',
+    )
+    # Rollout and staleness
+    max_staleness: int = _f(
+        4, "How many policy versions a trained token may lag behind (0 = synchronous RL).", min=0
+    )
+    batch_size: int = _f(8, "Trajectories per training step.", min=1)
+    group_size: int = _f(4, "Answers sampled per prompt in dataset mode (the GRPO group).", min=1)
+    max_concurrent_rollouts: int = _f(
+        0, "Upper bound on rollouts in flight (0 = no extra cap beyond staleness).", min=0
+    )
+    max_steps: int = _f(100, "Training steps before the run completes.", min=1)
+    max_new_tokens: int = _f(256, "Tokens generated per answer in dataset mode.", min=1)
+    temperature: float = _f(1.0, "Sampling temperature for dataset-mode rollouts.", min=0.0)
+    top_p: float = _f(
+        1.0,
+        "Nucleus sampling probability mass for dataset-mode rollouts.",
+        min=0.0,
+        max=1.0,
+        min_exclusive=True,
+    )
+    inference_backend: str = _f(
+        "auto",
+        "auto picks sglang when a GPU and sglang are available, else the torch engine.",
+        choices=INFERENCE_BACKENDS,
+    )
+    num_inference_servers: int = _f(1, "Inference server replicas the run starts.", min=1)
+    # Optimisation
+    learning_rate: float = _f(1e-5, "AdamW learning rate.", min=0.0, min_exclusive=True)
+    lr_schedule: str = _f("constant", "Learning-rate schedule after warm-up.", choices=LR_SCHEDULES)
+    lr_warmup_steps: int = _f(0, "Linear warm-up steps.", min=0)
+    weight_decay: float = _f(0.0, "AdamW weight decay.", min=0.0)
+    max_grad_norm: float = _f(1.0, "Gradient-norm clip (0 disables clipping).", min=0.0)
+    ppo_minibatches: int = _f(
+        1,
+        "Optimizer steps per training batch (the batch is split into this many minibatches).",
+        min=1,
+    )
+    micro_batch_tokens: int = _f(
+        8192,
+        "Token budget of one packed micro-batch (gradient accumulation splits above it).",
+        min=16,
+    )
+    # Loss
+    advantage: str = _f(
+        "auto",
+        "Advantage estimator; auto = grpo for groups > 1, reinforce_pp (batch baseline) otherwise.",
+        choices=ADVANTAGE_ESTIMATORS,
+    )
+    use_decoupled_loss: bool = _f(
+        True,
+        "Decoupled PPO (recompute proximal logprobs); off = standard PPO with behaviour logprobs as proximal.",
+    )
+    eps_clip: float = _f(0.2, "PPO clip range below and above 1.", min=0.0, min_exclusive=True)
+    eps_clip_higher: float | None = _f(
+        None,
+        "Separate upper clip range (DAPO clip-higher); empty = eps_clip.",
+        min=0.0,
+        min_exclusive=True,
+    )
+    dual_clip: float | None = _f(
+        None,
+        "Dual-clip constant c > 1 bounding the loss of negative advantages; empty disables.",
+        min=1.0,
+        min_exclusive=True,
+    )
+    behav_imp_weight_cap: float | None = _f(
+        5.0,
+        "Tokens whose behaviour importance weight exp(p - b) exceeds this are masked; empty = no cap.",
+        min=1.0,
+    )
+    ratio_level: str = _f(
+        "token",
+        "Compute the PPO ratio per token or per sequence (geometric mean).",
+        choices=RATIO_LEVELS,
+    )
+    loss_agg: str = _f(
+        "token_mean",
+        "Average the loss over all tokens or per sequence first.",
+        choices=LOSS_AGGREGATIONS,
+    )
+    kl_coef: float = _f(
+        0.0, "Weight of the KL penalty to the reference (initial) model; 0 disables it.", min=0.0
+    )
+    kl_estimator: str = _f(
+        "k3",
+        "KL estimator: k1 = log ratio, k3 = unbiased low-variance (Schulman).",
+        choices=KL_ESTIMATORS,
+    )
+    entropy_coef: float = _f(0.0, "Entropy bonus weight.", min=0.0)
+    turn_discount: float = _f(
+        1.0,
+        "Discount applied to later turns' rewards when credited to earlier turns.",
+        min=0.0,
+        max=1.0,
+    )
+    # Sessions (online mode)
+    train_incomplete_sessions: bool = _f(
+        False, "Train expired sessions that have at least one reward."
+    )
+    # Bookkeeping
+    save_every: int = _f(
+        50, "Save a checkpoint every this many steps (and always at the end).", min=1
+    )
+    seed: int = _f(0, "Random seed for sampling and initialisation.", min=0)
+
+    @classmethod
+    def field_specs(cls) -> list[dataclasses.Field]:
+        return list(dataclasses.fields(cls))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunConfig:
+        """Validate ``data`` and build a config; unknown keys are errors, missing keys take defaults."""
+        if not isinstance(data, dict):
+            raise ConfigError({"non_field_errors": ["Expected a JSON object of run settings."]})
+        errors: dict[str, list[str]] = {}
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        values: dict[str, Any] = {}
+        for key in data:
+            if key not in known:
+                errors.setdefault(key, []).append(
+                    f"Unknown setting '{key}'. Known settings: {', '.join(sorted(known))}."
+                )
+        for name, f in known.items():
+            if name not in data:
+                continue
+            try:
+                values[name] = _coerce(f, data[name])
+            except ValueError as exc:
+                errors.setdefault(name, []).append(str(exc))
+        if errors:
+            raise ConfigError(errors)
+        config = cls(**values)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        errors: dict[str, list[str]] = {}
+
+        def bad(name: str, message: str) -> None:
+            errors.setdefault(name, []).append(message)
+
+        if not self.base_model.strip():
+            bad(
+                "base_model",
+                "Set base_model to a local model directory or a Hugging Face model id.",
+            )
+        if self.mode == "dataset":
+            if not self.reward:
+                bad("reward", 'Dataset mode needs a reward, e.g. {"type": "exact_match"}.')
+            else:
+                for message in reward_spec_errors(self.reward):
+                    bad("reward", message)
+        elif self.reward:
+            for message in reward_spec_errors(self.reward):
+                bad("reward", message)
+        if self.lr_warmup_steps >= self.max_steps and self.lr_warmup_steps > 0:
+            bad(
+                "lr_warmup_steps",
+                f"Warm-up ({self.lr_warmup_steps}) must be shorter than max_steps ({self.max_steps}).",
+            )
+        if self.ppo_minibatches > self.batch_size:
+            bad(
+                "ppo_minibatches",
+                f"Cannot split a batch of {self.batch_size} into {self.ppo_minibatches} minibatches; set ppo_minibatches <= batch_size.",
+            )
+        if self.mode == "dataset" and self.batch_size % self.group_size:
+            bad(
+                "batch_size",
+                f"In dataset mode batch_size ({self.batch_size}) must be a multiple of group_size ({self.group_size}) so groups are trained whole.",
+            )
+        if errors:
+            raise ConfigError(errors)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @property
+    def resolved_advantage(self) -> str:
+        """The estimator actually used: online sessions come in groups of one, so they get a batch baseline."""
+        if self.advantage != "auto":
+            return self.advantage
+        return "grpo" if self.mode == "dataset" and self.group_size > 1 else "reinforce_pp"
+
+
+def reward_spec_errors(spec: Any) -> list[str]:
+    """Messages describing what is wrong with a reward spec (empty when it is valid)."""
+    if not isinstance(spec, dict):
+        return ['reward must be an object such as {"type": "exact_match"}.']
+    kind = spec.get("type")
+    if kind not in REWARD_TYPES:
+        return [f"reward.type must be one of {', '.join(REWARD_TYPES)}; got {kind!r}."]
+    allowed = {"type", "pattern", "path", "flags"}
+    extra = sorted(set(spec) - allowed)
+    if extra:
+        return [
+            f"Unknown reward keys: {', '.join(extra)}. Allowed: type, pattern (regex), path (python)."
+        ]
+    if kind == "regex":
+        pattern = spec.get("pattern")
+        if not isinstance(pattern, str) or not pattern:
+            return [
+                'A regex reward needs "pattern", a regular expression the completion must match.'
+            ]
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            return [f"reward.pattern is not a valid regular expression: {exc}."]
+    if kind == "python":
+        path = spec.get("path")
+        if not isinstance(path, str) or not _DOTTED_PATH.match(path):
+            return ['A python reward needs "path" as "module.submodule:function".']
+    return []
+
+
+def _coerce(f: dataclasses.Field, value: Any) -> Any:
+    """Check one field's value against its declared type and bounds; raise ValueError with a fix."""
+    meta = f.metadata
+    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    optional = "None" in kind
+    if value is None or (optional and value == ""):
+        if optional:
+            return None
+        raise ValueError(f"{f.name} cannot be empty; the default is {f.default!r}.")
+    base = kind.replace(" | None", "").strip()
+    if base == "bool":
+        if isinstance(value, bool):
+            return value
+        raise ValueError(f"{f.name} must be true or false; got {value!r}.")
+    if base == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                value = int(value)
+            else:
+                raise ValueError(f"{f.name} must be a whole number; got {value!r}.")
+        _check_bounds(f.name, value, meta)
+        return value
+    if base == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{f.name} must be a number; got {value!r}.")
+        value = float(value)
+        if not math.isfinite(value):
+            raise ValueError(f"{f.name} must be a finite number.")
+        _check_bounds(f.name, value, meta)
+        return value
+    if base == "str":
+        if not isinstance(value, str):
+            raise ValueError(f"{f.name} must be a string; got {type(value).__name__}.")
+        choices = meta.get("choices")
+        if choices and value not in choices:
+            raise ValueError(f"{f.name} must be one of {', '.join(choices)}; got {value!r}.")
+        return value
+    if base == "dict":
+        if not isinstance(value, dict):
+            raise ValueError(f"{f.name} must be a JSON object; got {type(value).__name__}.")
+        return value
+    raise ValueError(f"{f.name} has an unsupported type {kind}.")  # pragma: no cover
+
+
+def _check_bounds(name: str, value: float, meta: Any) -> None:
+    low, high = meta.get("min"), meta.get("max")
+    if low is not None:
+        if meta.get("min_exclusive") and value <= low:
+            raise ValueError(f"{name} must be greater than {low}; got {value}.")
+        if value < low:
+            raise ValueError(f"{name} must be at least {low}; got {value}.")
+    if high is not None and value > high:
+        raise ValueError(f"{name} must be at most {high}; got {value}.")

@@ -1,0 +1,574 @@
+"""An async client for SGLang's native HTTP API (and the torch engine, which speaks it too).
+
+The web process imports this module (the gateway talks to inference servers
+through it), so it must never import torch or transformers: it depends on
+httpx only.
+
+A generation that a weight update interrupts is resumed transparently. The
+trainer pauses the servers (``/pause_generation``, mode ``abort``), which ends
+every in-flight request with ``finish_reason {"type": "abort"}`` and the tokens
+generated so far; ``generate`` then resubmits the prompt with those tokens
+appended and the remaining ``max_new_tokens`` budget. The server holds the new
+request until ``/continue_generation`` (SGLang waits on its pause condition; the
+torch engine queues it), so no polling is needed. Every token keeps the weight
+version the server reported for the segment that produced it
+(``meta_info.weight_version``), which is what staleness control is measured by.
+
+Field names were checked against SGLang's ``python/sglang/srt/entrypoints/http_server.py``
+and ``python/sglang/srt/managers/io_struct.py`` (``GenerateReqInput``,
+``PauseGenerationReqInput``, ``UpdateWeightFromDiskReqInput``) and
+``tokenizer_manager.py`` (``meta_info`` keys, ``[logprob, token_id, text]`` triples).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+__all__ = [
+    "GenerateChunk",
+    "GenerateResult",
+    "InferenceClient",
+    "InferenceError",
+    "InferenceUnavailable",
+    "parse_weight_version",
+]
+
+DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default when sampling_params has none
+
+
+class InferenceError(Exception):
+    """The server refused or failed a request. ``status`` is the HTTP status, if any."""
+
+    def __init__(self, message: str, *, status: int | None = None, body: Any = None):
+        super().__init__(message)
+        self.status = status
+        self.body = body
+
+
+class InferenceUnavailable(InferenceError):
+    """The server could not be reached, or answered 503: try another one, or later."""
+
+
+def parse_weight_version(value: Any) -> int:
+    """Steep names weight versions with integers (the policy version); parse the server's string.
+
+    SGLang reports ``"default"`` when launched without ``--weight-version``; that is
+    the initial policy, version 0.
+    """
+    if isinstance(value, bool):
+        raise InferenceError(f"weight_version {value!r} is not an integer policy version")
+    if isinstance(value, int):
+        return value
+    if value is None or value == "default":
+        return 0
+    try:
+        return int(str(value).strip())
+    except ValueError:
+        raise InferenceError(
+            f"weight_version {value!r} is not an integer policy version; launch servers with "
+            "--weight-version 0 and pass integer versions to update_weights_from_disk"
+        ) from None
+
+
+@dataclass
+class GenerateResult:
+    """One finished generation, possibly stitched from several resumed segments. Plain data.
+
+    ``output_logprobs[i]`` is the behaviour log-prob of ``output_ids[i]`` and
+    ``versions[i]`` the weight version that produced it; the lists have equal length
+    (``output_logprobs`` is empty when logprobs were not requested).
+    """
+
+    rid: str
+    output_ids: list[int]
+    output_logprobs: list[float]
+    versions: list[int]
+    finish_reason: str  # "stop" | "length" | "abort" (abort: the resume budget ran out)
+    matched_stop: int | str | None  # the stop token id or stop string that ended it
+    prompt_tokens: int  # of the original prompt
+    text: str  # the servers' decoded segments joined; decode output_ids when exactness matters
+    num_segments: int = 1  # 1 + number of resumes after aborts
+    top_logprobs: list[list[tuple[float, int]]] | None = (
+        None  # per token: (logprob, id), best first
+    )
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.output_ids)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-safe dict."""
+        return {
+            "rid": self.rid,
+            "output_ids": list(self.output_ids),
+            "output_logprobs": list(self.output_logprobs),
+            "versions": list(self.versions),
+            "finish_reason": self.finish_reason,
+            "matched_stop": self.matched_stop,
+            "prompt_tokens": self.prompt_tokens,
+            "text": self.text,
+            "num_segments": self.num_segments,
+            "top_logprobs": None
+            if self.top_logprobs is None
+            else [[list(x) for x in row] for row in self.top_logprobs],
+        }
+
+
+@dataclass
+class GenerateChunk:
+    """New tokens from a streaming generation; the last chunk has ``finish_reason`` set."""
+
+    output_ids: list[int]
+    output_logprobs: list[float]
+    versions: list[int]
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
+    top_logprobs: list[list[tuple[float, int]]] | None = None
+
+
+@dataclass
+class _Progress:
+    """What a (possibly resumed) generation has produced so far."""
+
+    input_ids: list[int]
+    params: dict[str, Any]
+    max_new_tokens: int
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    top: list[list[tuple[float, int]]] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    segments: int = 0
+
+    @property
+    def remaining(self) -> int:
+        return self.max_new_tokens - len(self.output_ids)
+
+    def segment_params(self) -> dict[str, Any]:
+        params = dict(self.params)
+        params["max_new_tokens"] = self.remaining
+        if params.get("min_new_tokens"):
+            params["min_new_tokens"] = max(0, int(params["min_new_tokens"]) - len(self.output_ids))
+        return params
+
+
+def _segment(
+    data: dict[str, Any], *, return_logprob: bool, top_n: int
+) -> tuple[list[int], list[float], int, dict | None, list]:
+    """Parse one /generate response: ids, logprobs, version, finish_reason, top logprobs."""
+    try:
+        ids = [int(t) for t in data["output_ids"]]
+        meta = data["meta_info"]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InferenceError(f"malformed /generate response (missing {exc})", body=data) from None
+    logprobs: list[float] = []
+    if return_logprob:
+        entries = meta.get("output_token_logprobs") or []
+        if len(entries) != len(ids):
+            raise InferenceError(
+                f"/generate returned {len(ids)} output ids but {len(entries)} output_token_logprobs",
+                body=data,
+            )
+        logprobs = [float(e[0]) for e in entries]
+    top: list[list[tuple[float, int]]] = []
+    if top_n:
+        top = [
+            [(float(e[0]), int(e[1])) for e in row or []]
+            for row in meta.get("output_top_logprobs") or []
+        ]
+    return (
+        ids,
+        logprobs,
+        parse_weight_version(meta.get("weight_version")),
+        meta.get("finish_reason"),
+        top,
+    )
+
+
+class InferenceClient:
+    """Async client for one inference server (SGLang or the torch engine).
+
+    Use as ``async with InferenceClient(url) as client: ...`` or call ``aclose()``.
+    Requests to ``/generate`` have no read timeout by default: a generation may
+    legitimately wait through a pause and a weight update.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout: httpx.Timeout | float | None = None,
+        max_resumes: int = 64,
+        http_client: httpx.AsyncClient | None = None,
+    ):
+        self.base_url = base_url.rstrip("/")
+        self.max_resumes = max_resumes
+        self._own_client = http_client is None
+        self._http = http_client or httpx.AsyncClient(
+            timeout=timeout if timeout is not None else httpx.Timeout(10.0, read=None),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+        )
+        self._control_timeout = httpx.Timeout(30.0, read=600.0)  # weight updates can take minutes
+
+    async def __aenter__(self) -> InferenceClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._own_client:
+            await self._http.aclose()
+
+    # ----- transport
+
+    async def _request(
+        self, method: str, path: str, *, json_body: Any = None, timeout: Any = None
+    ) -> httpx.Response:
+        kwargs: dict[str, Any] = {}
+        if json_body is not None:
+            kwargs["json"] = json_body
+        if timeout is not None:
+            kwargs["timeout"] = timeout
+        try:
+            response = await self._http.request(method, self.base_url + path, **kwargs)
+        except httpx.TransportError as exc:
+            raise InferenceUnavailable(f"{method} {self.base_url}{path}: {exc!r}") from exc
+        if response.status_code >= 400:
+            raise _error_for(response, f"{method} {path}")
+        return response
+
+    # ----- generation
+
+    def _generate_body(
+        self, progress: _Progress, *, rid: str, return_logprob: bool, top_n: int, stream: bool
+    ) -> dict:
+        body: dict[str, Any] = {
+            "input_ids": progress.input_ids + progress.output_ids,
+            "sampling_params": progress.segment_params(),
+            "return_logprob": return_logprob,
+            "logprob_start_len": -1,  # no prompt logprobs: they cost a full-vocab pass per prompt token
+            "rid": rid,
+        }
+        if top_n:
+            body["top_logprobs_num"] = top_n
+        if stream:
+            body["stream"] = True
+        return body
+
+    def _start(self, input_ids: Sequence[int], sampling_params: dict[str, Any] | None) -> _Progress:
+        params = dict(sampling_params or {})
+        max_new = params.get("max_new_tokens")
+        return _Progress(
+            input_ids=[int(t) for t in input_ids],
+            params=params,
+            max_new_tokens=DEFAULT_MAX_NEW_TOKENS if max_new is None else int(max_new),
+        )
+
+    async def _before_resume(self, progress: _Progress, new_tokens: int) -> None:
+        # A pause makes the resubmitted request wait server-side; this only spaces out
+        # retries when aborts keep coming without progress (e.g. an operator abort loop).
+        if new_tokens == 0:
+            await asyncio.sleep(min(0.05 * 2 ** min(progress.segments, 6), 2.0))
+
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        sampling_params: dict[str, Any] | None = None,
+        *,
+        return_logprob: bool = True,
+        rid: str | None = None,
+        top_logprobs_num: int = 0,
+    ) -> GenerateResult:
+        """Generate from token ids; resume across aborts; return every token with logprob and version.
+
+        ``sampling_params`` uses SGLang's names (``max_new_tokens``, ``temperature``,
+        ``top_p``, ``top_k``, ``min_p``, ``stop``, ``stop_token_ids``, ``ignore_eos``,
+        ``sampling_seed``, ...). A resumed segment is a new request, so a stop string
+        split across the resume point is not detected by the server. Raises
+        ``InferenceError`` on a 4xx/5xx answer (some SGLang versions answer an abort
+        that way; then the partial output is lost) and ``InferenceUnavailable`` when
+        the server cannot be reached.
+        """
+        rid = rid or uuid.uuid4().hex
+        progress = self._start(input_ids, sampling_params)
+        finish: dict | None = None
+        while True:
+            body = self._generate_body(
+                progress,
+                rid=rid,
+                return_logprob=return_logprob,
+                top_n=top_logprobs_num,
+                stream=False,
+            )
+            response = await self._request("POST", "/generate", json_body=body)
+            data = response.json()
+            ids, logprobs, version, finish, top = _segment(
+                data, return_logprob=return_logprob, top_n=top_logprobs_num
+            )
+            progress.segments += 1
+            progress.output_ids += ids
+            progress.logprobs += logprobs
+            progress.versions += [version] * len(ids)
+            progress.top += top
+            progress.texts.append(data.get("text") or "")
+            if (
+                not _is_abort(finish)
+                or progress.remaining <= 0
+                or progress.segments > self.max_resumes
+            ):
+                break
+            await self._before_resume(progress, len(ids))
+        return self._result(rid, progress, finish, top_logprobs_num)
+
+    async def generate_stream(
+        self,
+        input_ids: Sequence[int],
+        sampling_params: dict[str, Any] | None = None,
+        *,
+        return_logprob: bool = True,
+        rid: str | None = None,
+        top_logprobs_num: int = 0,
+    ) -> AsyncIterator[GenerateChunk]:
+        """Like ``generate`` but yield new tokens as the server streams them (``stream: true``).
+
+        Assumes SGLang's default cumulative streaming (each event carries the whole
+        segment so far), which both backends use unless SGLang runs with
+        ``--incremental-streaming-output``. The last chunk carries ``finish_reason``.
+        """
+        rid = rid or uuid.uuid4().hex
+        progress = self._start(input_ids, sampling_params)
+        while True:
+            body = self._generate_body(
+                progress,
+                rid=rid,
+                return_logprob=return_logprob,
+                top_n=top_logprobs_num,
+                stream=True,
+            )
+            seen, finish, version = 0, None, 0
+            try:
+                async with self._http.stream(
+                    "POST", self.base_url + "/generate", json=body
+                ) as response:
+                    if response.status_code >= 400:
+                        await response.aread()
+                        raise _error_for(response, "POST /generate")
+                    async for data in _sse_events(response):
+                        ids, logprobs, version, finish, top = _segment(
+                            data, return_logprob=return_logprob, top_n=top_logprobs_num
+                        )
+                        new_ids = ids[seen:]
+                        chunk = GenerateChunk(
+                            output_ids=new_ids,
+                            output_logprobs=logprobs[seen:],
+                            versions=[version] * len(new_ids),
+                            top_logprobs=top[seen:] if top_logprobs_num else None,
+                        )
+                        seen = len(ids)
+                        progress.output_ids += chunk.output_ids
+                        progress.logprobs += chunk.output_logprobs
+                        progress.versions += chunk.versions
+                        if finish is None:
+                            if chunk.output_ids:
+                                yield chunk
+                            continue
+                        progress.segments += 1
+                        if (
+                            _is_abort(finish)
+                            and progress.remaining > 0
+                            and progress.segments <= self.max_resumes
+                        ):
+                            if chunk.output_ids:
+                                yield chunk
+                            break  # resume below
+                        chunk.finish_reason, chunk.matched_stop = (
+                            _finish_type(finish, progress.remaining),
+                            finish.get("matched"),
+                        )
+                        yield chunk
+                        return
+            except httpx.TransportError as exc:
+                raise InferenceUnavailable(
+                    f"POST {self.base_url}/generate (stream): {exc!r}"
+                ) from exc
+            if finish is None:
+                raise InferenceError("the /generate stream ended without a finish_reason")
+            await self._before_resume(progress, seen)
+
+    def _result(
+        self, rid: str, progress: _Progress, finish: dict | None, top_n: int
+    ) -> GenerateResult:
+        return GenerateResult(
+            rid=rid,
+            output_ids=progress.output_ids,
+            output_logprobs=progress.logprobs,
+            versions=progress.versions,
+            finish_reason=_finish_type(finish, progress.remaining),
+            matched_stop=(finish or {}).get("matched"),
+            prompt_tokens=len(progress.input_ids),
+            text="".join(progress.texts),
+            num_segments=progress.segments,
+            top_logprobs=progress.top if top_n else None,
+        )
+
+    # ----- control
+
+    async def pause_generation(self, mode: str = "abort") -> dict[str, Any]:
+        """Pause the server; with ``mode="abort"`` every in-flight request returns as aborted."""
+        response = await self._request(
+            "POST", "/pause_generation", json_body={"mode": mode}, timeout=self._control_timeout
+        )
+        return response.json()
+
+    async def continue_generation(self) -> dict[str, Any]:
+        """Resume a paused server; requests held during the pause start running."""
+        response = await self._request(
+            "POST", "/continue_generation", json_body={}, timeout=self._control_timeout
+        )
+        return response.json()
+
+    async def update_weights_from_disk(
+        self,
+        model_path: str,
+        *,
+        weight_version: int | str | None = None,
+        abort_all_requests: bool = False,
+        load_format: str | None = None,
+    ) -> dict[str, Any]:
+        """Load new weights from ``model_path`` (a directory on the server's machine).
+
+        Returns ``{"success": True, "message": ...}``; raises ``InferenceError`` when the
+        server reports failure. ``weight_version`` becomes ``meta_info.weight_version``
+        of everything generated afterwards.
+        """
+        body: dict[str, Any] = {"model_path": model_path, "abort_all_requests": abort_all_requests}
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        if load_format is not None:
+            body["load_format"] = load_format
+        response = await self._request(
+            "POST", "/update_weights_from_disk", json_body=body, timeout=self._control_timeout
+        )
+        data = response.json()
+        if not data.get("success", False):
+            raise InferenceError(
+                f"update_weights_from_disk failed: {data.get('message')}",
+                status=response.status_code,
+                body=data,
+            )
+        return data
+
+    async def abort_request(self, rid: str | None = None, *, abort_all: bool = False) -> None:
+        """Abort one request by rid (or all): it returns with finish_reason abort."""
+        body: dict[str, Any] = {"abort_all": abort_all}
+        if rid is not None:
+            body["rid"] = rid
+        await self._request("POST", "/abort_request", json_body=body, timeout=self._control_timeout)
+
+    async def flush_cache(self) -> bool:
+        """Flush the prefix cache; False when the server refused (requests were running)."""
+        try:
+            await self._request("POST", "/flush_cache", timeout=self._control_timeout)
+        except InferenceError as exc:
+            if exc.status == 400:
+                return False
+            raise
+        return True
+
+    # ----- status
+
+    async def health(self) -> bool:
+        """True when ``GET /health`` answers 200; never raises."""
+        try:
+            response = await self._http.get(
+                self.base_url + "/health", timeout=httpx.Timeout(5.0, read=30.0)
+            )
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
+
+    async def wait_healthy(self, timeout: float = 300.0, *, interval: float = 0.5) -> None:
+        """Poll ``/health`` until it answers 200; raise ``InferenceUnavailable`` after ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        while not await self.health():
+            if time.monotonic() > deadline:
+                raise InferenceUnavailable(f"{self.base_url} not healthy after {timeout:.0f}s")
+            await asyncio.sleep(interval)
+
+    async def _get_first(self, paths: Sequence[str]) -> dict[str, Any]:
+        # Newer SGLang renamed get_model_info/get_server_info (old paths are deprecated aliases).
+        for path in paths[:-1]:
+            try:
+                return (await self._request("GET", path)).json()
+            except InferenceError as exc:
+                if exc.status != 404:
+                    raise
+        return (await self._request("GET", paths[-1])).json()
+
+    async def get_model_info(self) -> dict[str, Any]:
+        """``model_path``, ``weight_version``, ``is_generation``, ... (``/model_info``)."""
+        return await self._get_first(["/model_info", "/get_model_info"])
+
+    async def get_server_info(self) -> dict[str, Any]:
+        """Server arguments and ``internal_states`` (``/server_info``)."""
+        return await self._get_first(["/server_info", "/get_server_info"])
+
+    async def get_weight_version(self) -> int:
+        """The server's current weight version (from ``/model_info``; newest SGLang 404s ``/get_weight_version``)."""
+        return parse_weight_version((await self.get_model_info()).get("weight_version"))
+
+    async def slow_down(self, forward_sleep_time: float | None) -> None:
+        """Sleep this long after every forward step (SGLang's testing knob); None turns it off."""
+        await self._request(
+            "POST", "/slow_down", json_body={"forward_sleep_time": forward_sleep_time}
+        )
+
+
+def _is_abort(finish: dict | None) -> bool:
+    return isinstance(finish, dict) and finish.get("type") == "abort"
+
+
+def _finish_type(finish: dict | None, remaining: int) -> str:
+    kind = (finish or {}).get("type") or "abort"
+    if kind == "abort" and remaining <= 0:
+        return "length"  # aborted exactly at the budget: nothing was lost
+    return str(kind)
+
+
+def _error_for(response: httpx.Response, what: str) -> InferenceError:
+    try:
+        body: Any = response.json()
+    except ValueError:
+        body = response.text
+    message = body
+    if isinstance(body, dict):
+        err = body.get("error")
+        message = (
+            body.get("message") or (err.get("message") if isinstance(err, dict) else err) or body
+        )
+    cls = InferenceUnavailable if response.status_code == 503 else InferenceError
+    return cls(
+        f"{what} -> {response.status_code}: {message}", status=response.status_code, body=body
+    )
+
+
+async def _sse_events(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        payload = line[5:].strip()
+        if payload == "[DONE]":
+            return
+        data = json.loads(payload)
+        if "error" in data and "meta_info" not in data:
+            raise InferenceError(f"/generate stream error: {data['error']}", body=data)
+        yield data

@@ -1,0 +1,83 @@
+"""Launch SGLang (``python -m sglang.launch_server``) on a GPU machine.
+
+Same interface as the torch engine's launcher (``InferenceServer`` in
+``rl_core.inference.launch``). Flag names are SGLang's ``ServerArgs`` CLI flags
+(``--model-path``, ``--host``, ``--port``, ``--tp-size``, ``--mem-fraction-static``,
+``--max-running-requests``, ``--context-length``, ``--dtype``, ``--base-gpu-id``,
+``--served-model-name``, ``--random-seed``, ``--weight-version``, ``--log-level``).
+
+The server is started with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` so that
+``output_token_logprobs`` are log-probs of the raw logits (before temperature),
+the same quantity the torch engine reports and the trainer recomputes; SGLang's
+default is the post-temperature log-prob.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+from rl_core.inference.launch import InferenceServer
+
+# Both spellings: older SGLang releases read RETURN_ORIGINAL_LOGPROB.
+LOGPROB_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1", "RETURN_ORIGINAL_LOGPROB": "1"}
+
+
+class SGLangServer(InferenceServer):
+    """One SGLang server process on this machine's GPU(s)."""
+
+    backend = "sglang"
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike[str],
+        *,
+        tp_size: int = 1,
+        mem_fraction_static: float | None = None,
+        max_running_requests: int | None = None,
+        context_length: int | None = None,
+        dtype: str | None = None,
+        base_gpu_id: int | None = None,
+        served_model_name: str | None = None,
+        random_seed: int | None = None,
+        log_level: str | None = None,
+        **kwargs: Any,
+    ):
+        super().__init__(model_path, **kwargs)
+        self.tp_size = tp_size
+        self.mem_fraction_static = mem_fraction_static
+        self.max_running_requests = max_running_requests
+        self.context_length = context_length
+        self.dtype = dtype
+        self.base_gpu_id = base_gpu_id
+        self.served_model_name = served_model_name
+        self.random_seed = random_seed
+        self.log_level = log_level
+
+    def command(self) -> list[str]:
+        cmd = [
+            sys.executable, "-m", "sglang.launch_server",
+            "--model-path", self.model_path,
+            "--host", self.host,
+            "--port", str(self.port),
+            "--weight-version", self.weight_version,
+            "--tp-size", str(self.tp_size),
+        ]  # fmt: skip
+        optional = {
+            "--mem-fraction-static": self.mem_fraction_static,
+            "--max-running-requests": self.max_running_requests,
+            "--context-length": self.context_length,
+            "--dtype": self.dtype,
+            "--base-gpu-id": self.base_gpu_id,
+            "--served-model-name": self.served_model_name,
+            "--random-seed": self.random_seed,
+            "--log-level": self.log_level,
+        }
+        for flag, value in optional.items():
+            if value is not None:
+                cmd += [flag, str(value)]
+        return cmd + self.extra_args
+
+    def environment(self) -> dict[str, str]:
+        return {**super().environment(), **LOGPROB_ENV}

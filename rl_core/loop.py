@@ -1,0 +1,612 @@
+"""The training loop: batches of trajectories in, policy versions out, as named, timed phases.
+
+One step of ``TrainingLoop.run`` (each phase timed as ``timing/<phase>``)::
+
+    wait_batch   → source.next_batch(batch_size)        (rollouts keep running meanwhile)
+    filter_stale → drop trajectories older than max_staleness; controller.on_dropped
+    train_step   → trainer.train_step(batch) in a thread, so the event loop (and
+                   with it generation) keeps going
+    weight_sync  → save weights, pause servers, update_weights_from_disk, continue
+    report       → controller.on_version, reporter.version / .metrics, source.finished
+    checkpoint   → every ``save_every`` steps and at the end
+
+The loop knows nothing about where trajectories come from: a ``TrajectorySource``
+is an in-process queue fed by the rollout driver (``QueueSource``, see
+``rl_core.rollout.LocalRun``) or, in a Ray job, the web app's internal API
+(claimed sessions). Likewise a ``Reporter`` is a list (tests) or the internal API.
+
+This module imports neither torch nor Django: the trainer is anything with
+``train_step``/``save_weights``/``save_checkpoint``/``load_checkpoint``/``version``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import json
+import logging
+import shutil
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from rl_core.config import RunConfig
+from rl_core.inference.client import InferenceClient
+from rl_core.staleness import StalenessController
+from rl_core.types import Trajectory
+
+logger = logging.getLogger(__name__)
+
+LOOP_STATE = "loop_state.json"  # written last into a checkpoint: its presence marks it complete
+
+
+# --------------------------------------------------------------------------- protocols
+
+
+@runtime_checkable
+class TrajectorySource(Protocol):
+    """Where trained trajectories come from; keys identify episodes (or sessions)."""
+
+    async def next_batch(self, n: int) -> list[tuple[str, Trajectory]]:
+        """Wait until ``n`` trajectories are ready and hand them over (fewer only when the source closed).
+
+        The loop cancels this call when it is stopped; trajectories a source handed to a
+        cancelled call are lost to this run (the web app releases unfinished claims).
+        """
+        ...
+
+    async def finished(self, trained: list[str], dropped: list[str], version: int) -> None:
+        """``trained`` keys went into the step that produced policy ``version``; ``dropped`` were too stale."""
+        ...
+
+
+@runtime_checkable
+class Reporter(Protocol):
+    """Where a run's progress goes: the dashboard (through the internal API) or a test's lists."""
+
+    async def metrics(self, step: int, version: int, values: dict[str, float]) -> None: ...
+
+    async def version(self, v: int) -> None: ...
+
+    async def checkpoint(self, version: int, step: int, path: str, size_bytes: int) -> None: ...
+
+    async def event(self, kind: str, message: str) -> None: ...
+
+
+class Trainer(Protocol):
+    """What the loop needs of ``rl_core.trainer.PPOTrainer``."""
+
+    version: int
+
+    def train_step(self, trajectories: Sequence[Trajectory]) -> dict[str, float]: ...
+
+    def save_weights(self, path: str) -> str: ...
+
+    def save_checkpoint(self, path: str) -> str: ...
+
+    def load_checkpoint(self, path: str) -> None: ...
+
+
+class NullReporter:
+    """Reports nothing."""
+
+    async def metrics(self, step: int, version: int, values: dict[str, float]) -> None:
+        pass
+
+    async def version(self, v: int) -> None:
+        pass
+
+    async def checkpoint(self, version: int, step: int, path: str, size_bytes: int) -> None:
+        pass
+
+    async def event(self, kind: str, message: str) -> None:
+        pass
+
+
+@dataclass
+class ListReporter:
+    """Keeps every report in lists (tests, benchmarks, scripts)."""
+
+    metrics_log: list[tuple[int, int, dict[str, float]]] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    checkpoints: list[dict[str, Any]] = field(default_factory=list)
+    events: list[tuple[str, str]] = field(default_factory=list)
+
+    async def metrics(self, step: int, version: int, values: dict[str, float]) -> None:
+        self.metrics_log.append((step, version, dict(values)))
+
+    async def version(self, v: int) -> None:
+        self.versions.append(v)
+
+    async def checkpoint(self, version: int, step: int, path: str, size_bytes: int) -> None:
+        self.checkpoints.append(
+            {"version": version, "step": step, "path": path, "size_bytes": size_bytes}
+        )
+
+    async def event(self, kind: str, message: str) -> None:
+        self.events.append((kind, message))
+
+    def series(self, name: str) -> list[float]:
+        """One metric over the steps that reported it, in step order."""
+        return [values[name] for _, _, values in self.metrics_log if name in values]
+
+
+# --------------------------------------------------------------------------- sources
+
+
+class QueueSource:
+    """An in-process ``TrajectorySource``: a queue the rollout driver puts into.
+
+    Trajectories are handed out in arrival order; a driver that puts whole groups
+    keeps groups whole in every batch when ``batch_size`` is a multiple of
+    ``group_size``. ``next_batch`` takes nothing until it can take all ``n``, so a
+    cancelled call loses nothing. One event loop only (not thread-safe).
+    """
+
+    def __init__(self) -> None:
+        self._items: collections.deque[tuple[str, Trajectory]] = collections.deque()
+        self._changed = asyncio.Event()
+        self._closed = False
+        self.trained = 0
+        self.dropped = 0
+
+    async def put(self, key: str, trajectory: Trajectory) -> None:
+        if self._closed:
+            raise RuntimeError("QueueSource is closed")
+        self._items.append((key, trajectory))
+        self._changed.set()
+
+    def qsize(self) -> int:
+        return len(self._items)
+
+    def close(self) -> None:
+        """No more trajectories: a waiting ``next_batch`` returns what there is."""
+        self._closed = True
+        self._changed.set()
+
+    async def next_batch(self, n: int) -> list[tuple[str, Trajectory]]:
+        while len(self._items) < n and not self._closed:
+            self._changed.clear()
+            await self._changed.wait()
+        return [self._items.popleft() for _ in range(min(n, len(self._items)))]
+
+    async def finished(self, trained: list[str], dropped: list[str], version: int) -> None:
+        self.trained += len(trained)
+        self.dropped += len(dropped)
+
+
+# --------------------------------------------------------------------------- weight sync
+
+
+def _weights_name(version: int) -> str:
+    return f"v{version:06d}"
+
+
+class WeightSync:
+    """Publish a trainer's weights to every inference server (SGLang's update-from-disk protocol).
+
+    ``push``: save the weights to ``weights_dir/v<version>`` → pause every server
+    (in-flight requests return as aborted; the client resubmits them and they wait)
+    → ``update_weights_from_disk`` tagged with the version → continue. Tokens
+    generated after the push carry the new version. Only the last ``keep`` weight
+    directories stay on disk. ``weights_dir`` must be readable by the servers at
+    the same path (same machine or a shared filesystem).
+    """
+
+    def __init__(self, urls: Sequence[str], weights_dir: str | Path, *, keep: int = 2):
+        if keep < 1:
+            raise ValueError("WeightSync keeps at least the newest weights (keep >= 1)")
+        self.urls = list(urls)
+        self.weights_dir = Path(weights_dir)
+        self.keep = keep
+        self.last_timing: dict[str, float] = {}
+        self._clients: list[InferenceClient] | None = None
+
+    def _get_clients(self) -> list[InferenceClient]:
+        if self._clients is None:
+            self._clients = [InferenceClient(url) for url in self.urls]
+        return self._clients
+
+    async def push(self, trainer: Trainer) -> int:
+        """Publish ``trainer``'s current weights as version ``trainer.version``; return the version."""
+        version = int(trainer.version)
+        target = self.weights_dir / _weights_name(version)
+        self.weights_dir.mkdir(parents=True, exist_ok=True)
+        started = time.perf_counter()
+        path = await asyncio.to_thread(trainer.save_weights, str(target))
+        saved = time.perf_counter()
+        clients = self._get_clients()
+        paused = saved
+        try:
+            await asyncio.gather(*(c.pause_generation() for c in clients))
+            paused = time.perf_counter()
+            await asyncio.gather(
+                *(c.update_weights_from_disk(path, weight_version=version) for c in clients)
+            )
+        finally:
+            # A server left paused would hang every rollout: continue even after a failure.
+            results = await asyncio.gather(
+                *(c.continue_generation() for c in clients), return_exceptions=True
+            )
+        resumed = time.perf_counter()
+        for url, result in zip(self.urls, results, strict=True):
+            if isinstance(result, BaseException):
+                raise RuntimeError(f"continue_generation failed on {url}: {result!r}") from result
+        self.last_timing = {
+            "timing/save_weights": saved - started,
+            "timing/update_weights": resumed - paused,
+            "timing/weight_sync": resumed - started,
+        }
+        self._prune()
+        return version
+
+    def _prune(self) -> None:
+        dirs = sorted(
+            (p for p in self.weights_dir.glob("v[0-9]*") if p.is_dir() and p.name[1:].isdigit()),
+            key=lambda p: int(p.name[1:]),
+        )
+        for old in dirs[: -self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    async def aclose(self) -> None:
+        if self._clients is not None:
+            await asyncio.gather(*(c.aclose() for c in self._clients))
+            self._clients = None
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A complete checkpoint directory and the loop position it resumes at."""
+
+    path: Path
+    step: int
+    version: int
+
+
+def latest_checkpoint(checkpoint_dir: str | Path | None) -> CheckpointInfo | None:
+    """The checkpoint with the highest step in ``checkpoint_dir`` (only complete ones count)."""
+    if checkpoint_dir is None or not Path(checkpoint_dir).is_dir():
+        return None
+    found = []
+    for state_file in Path(checkpoint_dir).glob(f"step_*/{LOOP_STATE}"):
+        try:
+            state = json.loads(state_file.read_text())
+            found.append(
+                CheckpointInfo(state_file.parent, int(state["step"]), int(state["version"]))
+            )
+        except (OSError, ValueError, KeyError):
+            logger.warning("ignoring unreadable checkpoint state %s", state_file)
+    return max(found, key=lambda c: c.step, default=None)
+
+
+def _dir_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+@dataclass
+class LoopSummary:
+    """How ``TrainingLoop.run`` ended."""
+
+    step: int
+    version: int
+    stopped: bool  # stop() was called (or the source ran dry) before max_steps
+    checkpoint: str | None  # the last checkpoint written or resumed from
+    dropped: int = 0  # trajectories dropped as stale over this run() call
+
+
+class _Phases:
+    """Wall time of the loop's named phases for one step, as ``timing/<phase>``."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times[f"timing/{name}"] = (
+                self.times.get(f"timing/{name}", 0.0) + time.perf_counter() - start
+            )
+
+
+class TrainingLoop:
+    """Asynchronous, staleness-bounded PPO training from a ``TrajectorySource``.
+
+    ``step`` counts trained batches; ``trainer.version`` is the policy version
+    (one per step). With a ``checkpoint_dir`` that already holds a checkpoint,
+    ``run`` first restores it and continues from its step and version (and
+    pushes the restored weights to the servers). ``stop()`` ends the loop after
+    the current step, with a final checkpoint.
+    """
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        trainer: Trainer,
+        source: TrajectorySource,
+        weight_sync: WeightSync | None,
+        reporter: Reporter | None = None,
+        controller: StalenessController | None = None,
+        checkpoint_dir: str | Path | None = None,
+        *,
+        keep_checkpoints: int | None = None,
+    ):
+        self.cfg = cfg
+        self.trainer = trainer
+        self.source = source
+        self.weight_sync = weight_sync
+        self.reporter: Reporter = reporter or NullReporter()
+        self.controller = controller
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self.keep_checkpoints = keep_checkpoints
+        self.step = 0
+        self.last_checkpoint: str | None = None
+        self._checkpoint_step: int | None = None
+        self._prepared = False
+        self._resumed: CheckpointInfo | None = None  # restored, not yet pushed to the servers
+        self._stop_requested = threading.Event()
+        self._stop_event: asyncio.Event | None = None
+        self._aloop: asyncio.AbstractEventLoop | None = None
+        self._last_step_end: float | None = None
+
+    @property
+    def version(self) -> int:
+        return int(self.trainer.version)
+
+    # ----- control
+
+    def stop(self) -> None:
+        """End after the current step (a wait for a batch is cancelled); thread-safe."""
+        self._stop_requested.set()
+        if self._aloop is not None and self._stop_event is not None:
+            with contextlib.suppress(RuntimeError):  # the event loop already closed
+                self._aloop.call_soon_threadsafe(self._stop_event.set)
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop_requested.is_set()
+
+    def restore(self) -> CheckpointInfo | None:
+        """Load the latest checkpoint in ``checkpoint_dir``, if any (idempotent; ``run`` calls it).
+
+        Call it (or ``prepare``) before starting rollouts so that admission starts from
+        the restored version; ``prepare`` also pushes the restored weights to the servers.
+        """
+        if self._prepared:
+            return None
+        self._prepared = True
+        info = latest_checkpoint(self.checkpoint_dir)
+        if info is None:
+            return None
+        self.trainer.load_checkpoint(str(info.path))
+        if self.version != info.version:
+            raise RuntimeError(
+                f"checkpoint {info.path} holds version {self.version} but its loop state says {info.version}"
+            )
+        self.step = info.step
+        self.last_checkpoint = str(info.path)
+        self._checkpoint_step = info.step
+        if self.controller is not None:
+            _advance_controller(self.controller, info.version)
+        self._resumed = info
+        logger.info("resumed from %s at step %d, version %d", info.path, info.step, info.version)
+        return info
+
+    async def prepare(self) -> None:
+        """``restore`` and, after a restore, push the restored weights to the servers (idempotent)."""
+        self.restore()
+        if self._resumed is None:
+            return
+        info, self._resumed = self._resumed, None
+        if self.weight_sync is not None:
+            await self.weight_sync.push(self.trainer)
+        await self.reporter.version(self.version)
+        await self.reporter.event(
+            "resumed", f"Resumed from step {info.step} (version {info.version})."
+        )
+
+    # ----- the loop
+
+    async def run(self, max_steps: int | None = None) -> LoopSummary:
+        """Train until ``step == max_steps`` (default ``cfg.max_steps``; counted across resumes) or ``stop()``."""
+        max_steps = self.cfg.max_steps if max_steps is None else max_steps
+        self._aloop = asyncio.get_running_loop()
+        self._stop_event = asyncio.Event()
+        if self._stop_requested.is_set():
+            self._stop_event.set()
+        await self.prepare()
+        dropped_total = 0
+        self._last_step_end = time.perf_counter()
+        try:
+            while self.step < max_steps and not self.stopping:
+                dropped = await self._one_step()
+                if dropped is None:  # stopped while waiting, or the source ran dry
+                    break
+                dropped_total += dropped
+        except Exception as exc:
+            await self.reporter.event(
+                "error", f"Training failed at step {self.step + 1}: {type(exc).__name__}: {exc}"
+            )
+            raise
+        if self.step > 0 and self._checkpoint_step != self.step:
+            await self._checkpoint()
+        stopped = self.step < max_steps
+        await self.reporter.event(
+            "stopped" if stopped else "completed",
+            f"Training {'stopped' if stopped else 'completed'} at step {self.step} (version {self.version}).",
+        )
+        return LoopSummary(
+            step=self.step,
+            version=self.version,
+            stopped=stopped,
+            checkpoint=self.last_checkpoint,
+            dropped=dropped_total,
+        )
+
+    async def _wait_batch(self, n: int) -> list[tuple[str, Trajectory]] | None:
+        """``n`` trajectories from the source, or ``None`` once ``stop()`` was called."""
+        assert self._stop_event is not None
+        if self.stopping:
+            return None
+        batch = asyncio.ensure_future(self.source.next_batch(n))
+        stop = asyncio.ensure_future(self._stop_event.wait())
+        try:
+            await asyncio.wait({batch, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if self.stopping or not batch.done():
+            batch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await batch
+            return None
+        return batch.result()
+
+    async def _one_step(self) -> int | None:
+        """Collect a batch and train on it; ``None`` when the loop should end, else the drop count."""
+        cfg, phases = self.cfg, _Phases()
+        kept: list[tuple[str, Trajectory]] = []
+        dropped_keys: list[str] = []
+        train_version = self.version
+        # Refill until batch_size fresh trajectories: the admission rule assumes every
+        # version consumes a full batch; training short batches would let the surplus
+        # pile up in the queue, grow stale and be dropped, freeing yet more admissions.
+        while len(kept) < cfg.batch_size:
+            wanted = cfg.batch_size - len(kept)
+            with phases.phase("wait_batch"):
+                items = await self._wait_batch(wanted)
+            if items is None:  # stop() while waiting: a partial batch is not trained
+                if dropped_keys:
+                    await self.source.finished([], dropped_keys, self.version)
+                return None
+            with phases.phase("filter_stale"):
+                stale = 0
+                for key, traj in items:
+                    if train_version - traj.oldest_version <= cfg.max_staleness:
+                        kept.append((key, traj))
+                    else:
+                        dropped_keys.append(key)
+                        stale += 1
+                if stale and self.controller is not None:
+                    # Now, not after the step: their slots admit the replacements waited for here.
+                    self.controller.on_dropped(stale)
+            if len(items) < wanted:  # the source ran dry: train what there is
+                break
+        if dropped_keys:
+            logger.info(
+                "dropped %d trajectories more than %d versions old",
+                len(dropped_keys),
+                cfg.max_staleness,
+            )
+        if not kept:  # the source ran dry
+            if dropped_keys:
+                await self.source.finished([], dropped_keys, self.version)
+            return None
+
+        trajectories = [t for _, t in kept]
+        with phases.phase("train_step"):
+            stats = await asyncio.to_thread(self.trainer.train_step, trajectories)
+        if self.version == train_version:  # the trainer dropped everything itself
+            await self.source.finished([], [k for k, _ in kept] + dropped_keys, self.version)
+            return len(kept) + len(dropped_keys)
+        self.step += 1
+
+        sync_timing: dict[str, float] = {}
+        with phases.phase("weight_sync"):
+            if self.weight_sync is not None:
+                await self.weight_sync.push(self.trainer)
+                sync_timing = self.weight_sync.last_timing
+        version = self.version
+        if self.controller is not None:
+            self.controller.on_version(version)
+
+        with phases.phase("report"):
+            await self.reporter.version(version)
+            await self.source.finished([k for k, _ in kept], dropped_keys, version)
+        now = time.perf_counter()
+        assert self._last_step_end is not None
+        step_time, self._last_step_end = now - self._last_step_end, now
+        values = {
+            **{k: float(v) for k, v in stats.items()},
+            **rollout_stats(trajectories),
+            **sync_timing,
+            **phases.times,
+            "staleness/dropped": float(len(dropped_keys)),
+            "timing/step": step_time,
+            "perf/trajectories_per_s": len(trajectories) / step_time if step_time > 0 else 0.0,
+            "step": float(self.step),
+        }
+        if self.controller is not None:
+            values.update({k: float(v) for k, v in self.controller.stats().items()})
+        await self.reporter.metrics(self.step, version, values)
+        logger.info(
+            "step %d → version %d: reward %.3f, %d trajectories, %.2fs (train %.2fs, wait %.2fs)",
+            self.step,
+            version,
+            values.get("rollout/reward", float("nan")),
+            len(trajectories),
+            step_time,
+            phases.times.get("timing/train_step", 0.0),
+            phases.times.get("timing/wait_batch", 0.0),
+        )
+
+        if self.step % cfg.save_every == 0:
+            await self._checkpoint()
+        return len(dropped_keys)
+
+    async def _checkpoint(self) -> None:
+        if self.checkpoint_dir is None:
+            return
+        step, version = self.step, self.version
+        path = self.checkpoint_dir / f"step_{step:06d}"
+        started = time.perf_counter()
+        await asyncio.to_thread(self.trainer.save_checkpoint, str(path))
+        (path / LOOP_STATE).write_text(json.dumps({"step": step, "version": version}))
+        size = await asyncio.to_thread(_dir_size, path)
+        self.last_checkpoint, self._checkpoint_step = str(path), step
+        await self.reporter.checkpoint(version, step, str(path), size)
+        logger.info("checkpoint %s (%d bytes) in %.2fs", path, size, time.perf_counter() - started)
+        if self.keep_checkpoints:
+            complete = sorted(
+                self.checkpoint_dir.glob(f"step_*/{LOOP_STATE}"), key=lambda p: p.parent.name
+            )
+            for old in complete[: -self.keep_checkpoints]:
+                shutil.rmtree(old.parent, ignore_errors=True)
+
+
+def rollout_stats(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """Loop-level rollout metrics: truncation, reward-function errors, mixed-version trajectories."""
+    n = len(trajectories)
+    if not n:
+        return {}
+    finish = [t.metadata.get("finish_reason") for t in trajectories]
+    mixed = 0
+    for t in trajectories:
+        generated = {v for v, m in zip(t.versions, t.loss_mask, strict=True) if m}
+        mixed += len(generated) > 1
+    return {
+        "rollout/truncated_frac": sum(f == "length" for f in finish) / n,
+        "rollout/reward_error_frac": sum("reward_error" in t.metadata for t in trajectories) / n,
+        "staleness/mixed_version_frac": mixed / n,
+    }
+
+
+def _advance_controller(controller: StalenessController, version: int) -> None:
+    """Bring a fresh controller to a restored ``version``: those batches count as already trained."""
+    # StalenessController(version=v) starts at accepted = v * batch_size; this does the same
+    # for a controller that was built before the checkpoint was found.
+    with controller._lock:
+        if controller.version < version:
+            controller.accepted += (version - controller.version) * controller.batch_size
+            controller.version = version

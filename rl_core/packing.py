@@ -1,0 +1,168 @@
+"""Packing trajectories into padding-free micro-batches, and next-token logprobs over them.
+
+Sequences are concatenated into one row ``[1, T_total]``; ``position_ids`` restart
+at 0 for each sequence and ``cu_seqlens`` holds the boundaries. Attention must not
+cross sequences: flash-attention kernels read the boundaries from ``position_ids``;
+for the sdpa/eager paths (CPU, and GPUs without flash-attn) we pass an explicit 4-D
+block-diagonal causal mask, which transformers uses unchanged. Recent transformers
+releases infer that mask from ``position_ids`` themselves, but not every version
+pyproject allows does, and without it sequences silently attend to each other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from rl_core.types import Trajectory
+
+
+@dataclass
+class PackedBatch:
+    """Several trajectories as one padding-free row; per-token tensors are flat ``[T]``.
+
+    Index ``t`` of every per-token tensor refers to token ``t`` of ``input_ids`` (the
+    logprob *of* that token). The first token of each sequence has no prediction, so
+    its ``loss_mask`` is 0.
+    """
+
+    input_ids: torch.Tensor  # [1, T] long
+    position_ids: torch.Tensor  # [1, T] long
+    cu_seqlens: torch.Tensor  # [S + 1] int32, cumulative sequence lengths starting at 0
+    seq_ids: torch.Tensor  # [T] long, sequence index 0..S-1 of each token
+    loss_mask: torch.Tensor  # [T] bool
+    logprobs: torch.Tensor  # [T] float, behaviour logprobs
+    indices: list[int]  # positions of the packed trajectories in the list given to `pack`
+    extra: dict[str, torch.Tensor] = field(
+        default_factory=dict
+    )  # more [T] tensors (advantages, ...)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[1]
+
+    def to(self, device: torch.device | str) -> PackedBatch:
+        return PackedBatch(
+            input_ids=self.input_ids.to(device),
+            position_ids=self.position_ids.to(device),
+            cu_seqlens=self.cu_seqlens.to(device),
+            seq_ids=self.seq_ids.to(device),
+            loss_mask=self.loss_mask.to(device),
+            logprobs=self.logprobs.to(device),
+            indices=self.indices,
+            extra={k: v.to(device) for k, v in self.extra.items()},
+        )
+
+
+def pack(
+    trajectories: Sequence[Trajectory],
+    indices: Sequence[int] | None = None,
+    extra: Mapping[str, Sequence[torch.Tensor]] | None = None,
+) -> PackedBatch:
+    """Pack ``trajectories[i]`` for ``i`` in ``indices`` (all by default) into one row.
+
+    ``extra[name][i]`` is a per-token tensor ``[L_i]`` of trajectory ``i`` (indexed like
+    ``trajectories``), concatenated into ``batch.extra[name]`` ``[T]``.
+    """
+    idx = list(range(len(trajectories))) if indices is None else list(indices)
+    if not idx:
+        raise ValueError("cannot pack an empty list of trajectories")
+    trajs = [trajectories[i] for i in idx]
+    lengths = torch.tensor([len(t.input_ids) for t in trajs])  # [S]
+    cu = torch.zeros(len(trajs) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(lengths, 0)
+    mask = torch.tensor([m for t in trajs for m in t.loss_mask], dtype=torch.bool)  # [T]
+    mask[cu[:-1].long()] = False  # nothing predicts a sequence's first token
+    return PackedBatch(
+        input_ids=torch.tensor([[x for t in trajs for x in t.input_ids]], dtype=torch.long),
+        position_ids=torch.cat([torch.arange(n) for n in lengths.tolist()])[None],
+        cu_seqlens=cu,
+        seq_ids=torch.repeat_interleave(torch.arange(len(trajs)), lengths),
+        loss_mask=mask,
+        logprobs=torch.tensor([x for t in trajs for x in t.logprobs], dtype=torch.float32),
+        indices=idx,
+        extra={
+            name: torch.cat([torch.as_tensor(vals[i]).reshape(-1) for i in idx])
+            for name, vals in (extra or {}).items()
+        },
+    )
+
+
+def micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Group sequence indices into micro-batches of at most ``max_tokens`` tokens.
+
+    First-fit decreasing, so a handful of long sequences do not leave many half-empty
+    micro-batches. A sequence longer than the budget gets a micro-batch of its own
+    (it cannot be split without breaking attention). Deterministic for given input.
+    """
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        for b, load in enumerate(loads):
+            if load + lengths[i] <= max_tokens:
+                bins[b].append(i)
+                loads[b] += lengths[i]
+                break
+        else:
+            bins.append([i])
+            loads.append(lengths[i])
+    return [sorted(b) for b in bins]
+
+
+def block_causal_mask(cu_seqlens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive attention mask ``[1, 1, T, T]``: 0 where a token may attend (same sequence,
+    not in the future), the dtype's minimum elsewhere. Additive floats work for both
+    the eager path (adds the mask) and sdpa."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()  # [S]
+    seq = torch.repeat_interleave(
+        torch.arange(len(lengths), device=cu_seqlens.device), lengths
+    )  # [T]
+    n = seq.numel()
+    causal = torch.ones(n, n, dtype=torch.bool, device=seq.device).tril()  # [T, T]
+    allowed = causal & (seq[:, None] == seq[None, :])  # [T, T]
+    mask = torch.zeros(n, n, dtype=dtype, device=seq.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]  # [1, 1, T, T]
+
+
+def packed_logprobs(
+    model: torch.nn.Module,
+    batch: PackedBatch,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = True,
+    chunk_tokens: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logprob of each token given its sequence's prefix, from a HF causal LM: ``(logprobs [T], entropy [T] | None)``.
+
+    Entry ``t`` scores ``input_ids[t]`` under the logits at ``t - 1``; each sequence's
+    first entry is 0. ``entropy[t]`` is the entropy of that predictive distribution
+    (``entropy_grad=False`` detaches it: a logged stat then costs no activation memory).
+    Gradients flow when called outside ``torch.no_grad``.
+    """
+    ids, pos = batch.input_ids, batch.position_ids  # [1, T], [1, T]
+    kwargs: dict = {"position_ids": pos, "use_cache": False}
+    if not str(getattr(model.config, "_attn_implementation", "")).startswith("flash"):
+        kwargs["attention_mask"] = block_causal_mask(
+            batch.cu_seqlens, next(model.parameters()).dtype
+        )
+    logits = model(input_ids=ids, **kwargs).logits[0, :-1]  # [T-1, V]: row t predicts token t+1
+    targets = ids[0, 1:]  # [T-1]
+    lps, ents = [], []
+    # Chunked so that, without grad (proximal/reference passes), no float32 copy of all
+    # T x V logits is ever alive at once; with grad, autograd keeps each chunk anyway.
+    for start in range(0, logits.shape[0], chunk_tokens):
+        lg = logits[start : start + chunk_tokens].float() / temperature  # [C, V]
+        lse = torch.logsumexp(lg, dim=-1)  # [C]
+        lps.append(lg.gather(-1, targets[start : start + chunk_tokens, None])[:, 0] - lse)  # [C]
+        if with_entropy:
+            src, src_lse = (lg, lse) if entropy_grad else (lg.detach(), lse.detach())
+            ents.append(src_lse - (torch.softmax(src, dim=-1) * src).sum(-1))  # [C]
+    starts = batch.cu_seqlens[:-1].long()  # [S]
+    zero = logits.new_zeros(1, dtype=torch.float32)
+    logprobs = torch.cat([zero, *lps])  # [T]
+    logprobs = logprobs.index_fill(0, starts, 0.0)  # first tokens have no prediction
+    entropy = torch.cat([zero, *ents]).index_fill(0, starts, 0.0) if with_entropy else None  # [T]
+    return logprobs, entropy

@@ -1,0 +1,158 @@
+"""Staleness control: how far behind the trained policy a rollout may be.
+
+Two halves keep every trained token at most ``max_staleness`` versions old:
+admission (``StalenessController``) stops new rollouts from starting too far
+ahead of training, and ``filter_stale`` drops, at training time, the few
+trajectories that still ended up too old (a slow rollout overtaken by faster
+ones). Admission alone cannot give the bound, because trajectories finish out
+of order; the filter alone would waste most rollouts when generation outruns
+training.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from rl_core.types import Trajectory
+
+
+class StalenessController:
+    """Thread-safe admission of rollouts under AReaL's staleness rule.
+
+    A new rollout may start only while::
+
+        accepted + running < (max_staleness + version + 1) * batch_size
+
+    where ``accepted`` counts finished rollouts handed to training (ever, not
+    just those waiting), ``running`` counts rollouts in flight and ``version``
+    is the current policy version (one per training step). Training consumes
+    ``batch_size`` trajectories per version, so at most ``max_staleness`` batches
+    beyond the one being trained can be in flight or waiting;
+    ``max_staleness = 0`` is synchronous RL: a batch is generated, trained, and
+    only then does the next one start (Fu et al. 2025, "AReaL: A Large-Scale
+    Asynchronous Reinforcement Learning System for Language Reasoning").
+
+    ``max_concurrent_rollouts > 0`` additionally caps ``running``.
+    """
+
+    def __init__(
+        self,
+        max_staleness: int,
+        batch_size: int,
+        max_concurrent_rollouts: int = 0,
+        version: int = 0,
+    ):
+        if max_staleness < 0 or batch_size < 1 or max_concurrent_rollouts < 0:
+            raise ValueError(
+                "need max_staleness >= 0, batch_size >= 1 and max_concurrent_rollouts >= 0"
+            )
+        self.max_staleness = max_staleness
+        self.batch_size = batch_size
+        self.max_concurrent_rollouts = max_concurrent_rollouts
+        self._lock = threading.Lock()
+        self.version = version
+        self.accepted = (
+            version * batch_size
+        )  # a run resumed at `version` has already trained this many
+        self.running = 0
+        self.rejected = 0
+        self.dropped = 0
+
+    def _capacity(self) -> int:
+        return free_capacity(
+            max_staleness=self.max_staleness,
+            version=self.version,
+            batch_size=self.batch_size,
+            accepted=self.accepted,
+            running=self.running,
+            max_concurrent_rollouts=self.max_concurrent_rollouts,
+        )
+
+    def capacity(self) -> int:
+        """How many more rollouts could be admitted right now."""
+        with self._lock:
+            return self._capacity()
+
+    def try_admit(self) -> bool:
+        """Start a rollout if the budget allows; a caller refused should retry later (HTTP 429)."""
+        with self._lock:
+            if self._capacity() <= 0:
+                return False
+            self.running += 1
+            return True
+
+    def on_finish(self, accepted: bool) -> None:
+        """A rollout ended: ``accepted`` when its trajectory goes to training, else rejected or aborted."""
+        with self._lock:
+            if self.running <= 0:
+                raise RuntimeError("on_finish called with no rollout running")
+            self.running -= 1
+            if accepted:
+                self.accepted += 1
+            else:
+                self.rejected += 1
+
+    def on_dropped(self, n: int) -> None:
+        """``n`` accepted trajectories were dropped as stale at training time.
+
+        They free their slots: without this, a run that drops more than
+        ``max_staleness * batch_size`` trajectories could never fill a batch again.
+        """
+        with self._lock:
+            if not 0 <= n <= self.accepted:
+                raise ValueError(f"cannot drop {n} of {self.accepted} accepted trajectories")
+            self.accepted -= n
+            self.dropped += n
+
+    def on_version(self, version: int) -> None:
+        """The trainer published ``version``; capacity grows by ``batch_size`` per version."""
+        with self._lock:
+            if version < self.version:
+                raise ValueError(f"policy version went backwards: {self.version} -> {version}")
+            self.version = version
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "staleness/version": self.version,
+                "staleness/accepted": self.accepted,
+                "staleness/running": self.running,
+                "staleness/rejected": self.rejected,
+                "staleness/dropped_total": self.dropped,
+                "staleness/capacity": self._capacity(),
+            }
+
+
+def filter_stale(
+    trajectories: Sequence[Trajectory], train_version: int, max_staleness: int
+) -> tuple[list[Trajectory], int]:
+    """Keep trajectories whose oldest generated token is at most ``max_staleness`` versions behind.
+
+    ``train_version`` is the version of the weights the step starts from (the
+    proximal policy). Returns ``(kept, dropped_count)``, order preserved.
+    """
+    kept = [t for t in trajectories if train_version - t.oldest_version <= max_staleness]
+    return kept, len(trajectories) - len(kept)
+
+
+def free_capacity(
+    *,
+    max_staleness: int,
+    version: int,
+    batch_size: int,
+    accepted: int,
+    running: int,
+    max_concurrent_rollouts: int = 0,
+) -> int:
+    """Rollouts that may still start: ``(max_staleness + version + 1) * batch_size - accepted - running``,
+    also capped by ``max_concurrent_rollouts - running`` when that is set (AReaL's admission rule).
+
+    The web gateway calls this with counts from the database, so every web process applies
+    the same rule as the in-process ``StalenessController``.
+    """
+    free = (max_staleness + version + 1) * batch_size - accepted - running
+    if max_concurrent_rollouts:
+        free = min(free, max_concurrent_rollouts - running)
+    return max(free, 0)

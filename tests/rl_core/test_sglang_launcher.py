@@ -1,0 +1,155 @@
+"""Launchers: the SGLang command line, backend choice, and a real torch-engine process start/stop."""
+
+from __future__ import annotations
+
+import socket
+import sys
+
+import httpx
+import pytest
+
+from rl_core.inference import launch
+from rl_core.inference.launch import (
+    ServerStartError,
+    TorchEngineServer,
+    choose_backend,
+    free_port,
+    make_inference_server,
+    sglang_available,
+)
+from rl_core.inference.sglang import SGLangServer
+
+
+def test_sglang_command_line_uses_launch_server_flags(tmp_path):
+    server = SGLangServer(
+        "/models/qwen",
+        host="0.0.0.0",
+        port=30001,
+        weight_version=3,
+        tp_size=2,
+        mem_fraction_static=0.8,
+        max_running_requests=64,
+        context_length=8192,
+        dtype="bfloat16",
+        base_gpu_id=2,
+        random_seed=11,
+        extra_args=["--disable-radix-cache"],
+        log_path=tmp_path / "sglang.log",
+    )
+    assert server.command() == [
+        sys.executable, "-m", "sglang.launch_server",
+        "--model-path", "/models/qwen",
+        "--host", "0.0.0.0",
+        "--port", "30001",
+        "--weight-version", "3",
+        "--tp-size", "2",
+        "--mem-fraction-static", "0.8",
+        "--max-running-requests", "64",
+        "--context-length", "8192",
+        "--dtype", "bfloat16",
+        "--base-gpu-id", "2",
+        "--random-seed", "11",
+        "--disable-radix-cache",
+    ]  # fmt: skip
+    assert server.url == "http://127.0.0.1:30001"  # 0.0.0.0 is reached through loopback
+    env = server.environment()
+    assert (
+        env["SGLANG_RETURN_ORIGINAL_LOGPROB"] == "1"
+    )  # logprobs before temperature, like the torch engine
+
+
+def test_minimal_sglang_command_line_leaves_defaults_to_sglang():
+    cmd = SGLangServer("/m", port=5).command()
+    assert cmd[3:] == [
+        "--model-path",
+        "/m",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "5",
+        "--weight-version",
+        "0",
+        "--tp-size",
+        "1",
+    ]
+
+
+def test_torch_engine_command_line(tiny_model_dir):
+    server = TorchEngineServer(
+        tiny_model_dir, port=1234, weight_version=2, num_threads=3, max_running_requests=8
+    )
+    cmd = server.command()
+    assert cmd[:3] == [sys.executable, "-m", "rl_core.inference.torch_engine"]
+    flags = dict(zip(cmd[3::2], cmd[4::2], strict=True))
+    assert flags == {
+        "--model-path": str(tiny_model_dir),
+        "--host": "127.0.0.1",
+        "--port": "1234",
+        "--weight-version": "2",
+        "--max-running-requests": "8",
+        "--dtype": "float32",
+        "--device": "cpu",
+        "--num-threads": "3",
+    }
+
+
+def test_auto_backend_picks_sglang_only_with_sglang_and_a_gpu(monkeypatch):
+    monkeypatch.setattr(launch, "sglang_available", lambda: False)
+    assert choose_backend("auto") == "torch"
+    assert isinstance(make_inference_server("auto", "/m", port=1), TorchEngineServer)
+    with pytest.raises(ValueError, match="sglang is not installed"):
+        choose_backend("sglang")
+    monkeypatch.setattr(launch, "sglang_available", lambda: True)
+    assert choose_backend("auto") == "sglang"
+    assert isinstance(make_inference_server("auto", "/m", port=1, tp_size=2), SGLangServer)
+    assert choose_backend("torch") == "torch"
+    with pytest.raises(ValueError, match="not one of"):
+        choose_backend("vllm")
+
+
+def test_torch_engine_server_starts_serves_and_stops(tiny_model_dir, tmp_path):
+    server = make_inference_server(
+        "torch", tiny_model_dir, port=free_port(), num_threads=1, log_path=tmp_path / "engine.log"
+    )
+    with server:
+        assert server.is_running()
+        body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}}
+        response = httpx.post(server.url + "/generate", json=body, timeout=30)
+        assert response.status_code == 200 and len(response.json()["output_ids"]) == 2
+    assert not server.is_running()
+    with socket.socket() as s:  # the port is free again
+        s.bind(("127.0.0.1", server.port))
+    server.stop()  # idempotent
+
+
+def test_server_that_cannot_start_raises_with_its_log(tmp_path):
+    server = TorchEngineServer(
+        tmp_path / "no-such-model", num_threads=1, log_path=tmp_path / "bad.log"
+    )
+    server.start()
+    with pytest.raises(ServerStartError, match="exited with code") as info:
+        server.wait_healthy(timeout=120)
+    assert "no-such-model" in str(info.value)
+    server.stop()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not sglang_available(), reason="needs sglang and a CUDA GPU")
+def test_sglang_server_generates_with_logprobs_and_version(tiny_model_dir, tmp_path):
+    server = SGLangServer(
+        tiny_model_dir,
+        port=free_port(),
+        weight_version=5,
+        mem_fraction_static=0.3,
+        log_path=tmp_path / "sglang.log",
+    )
+    with server:
+        body = {
+            "input_ids": [1, 2, 3],
+            "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+            "return_logprob": True,
+        }
+        data = httpx.post(server.url + "/generate", json=body, timeout=120).json()
+    assert len(data["output_ids"]) == 4
+    assert [t[1] for t in data["meta_info"]["output_token_logprobs"]] == data["output_ids"]
+    assert data["meta_info"]["weight_version"] == "5"

@@ -1,0 +1,180 @@
+"""The internal API a run's job uses: per-attempt secrets, reports, trajectories."""
+
+from __future__ import annotations
+
+import pytest
+
+from webapp.gateway.models import Interaction, Session
+from webapp.runs.jobs import job_secret_issue
+from webapp.runs.models import Checkpoint, MetricPoint
+
+
+def url(run, name: str) -> str:
+    return f"/internal/v1/runs/{run.id}/{name}"
+
+
+@pytest.fixture
+def running(project, make_run, set_status):
+    run = make_run(project, batch_size=2)
+    return set_status(run, "running")
+
+
+@pytest.fixture
+def job(client, running):
+    secret = job_secret_issue(run=running)
+
+    def call(method: str, name: str, body=None, **kw):
+        kw.setdefault("HTTP_AUTHORIZATION", f"Bearer {secret}")
+        if method == "GET":
+            return client.get(url(running, name), **kw)
+        return client.post(
+            url(running, name),
+            data=body if body is not None else {},
+            content_type="application/json",
+            **kw,
+        )
+
+    call.secret = secret
+    return call
+
+
+def episode(reward: float, version: int = 0, group: str = "g1") -> dict:
+    return {
+        "input_ids": [1, 2, 3],
+        "output_ids": [4, 5],
+        "logprobs": [-0.5, -0.25],
+        "versions": [version, version],
+        "reward": reward,
+        "finish_reason": "stop",
+        "text": "ok",
+        "messages": [{"role": "user", "content": "hi"}],
+        "group_id": group,
+        "task_id": "t",
+    }
+
+
+def test_config_needs_the_current_job_secret(client, running, job, api_key):
+    assert job("GET", "config").json()["config"]["batch_size"] == 2
+    assert client.get(url(running, "config")).status_code == 401
+    assert (
+        client.get(url(running, "config"), HTTP_AUTHORIZATION=f"Bearer {api_key}").status_code
+        == 401
+    )
+
+
+def test_a_new_attempt_locks_out_the_previous_jobs_secret(client, running, job):
+    old = job.secret
+    job_secret_issue(run=running)
+    assert client.get(url(running, "config"), HTTP_AUTHORIZATION=f"Bearer {old}").status_code == 401
+
+
+def test_it_validates_ownership_another_runs_secret_is_refused(
+    client, other_project, make_run, running, set_status
+):
+    other = set_status(make_run(other_project, name="theirs"), "running")
+    their_secret = job_secret_issue(run=other)
+    response = client.get(url(running, "config"), HTTP_AUTHORIZATION=f"Bearer {their_secret}")
+    assert response.status_code == 401
+
+
+def test_metrics_are_stored_once_per_name_and_step_and_advance_the_run(job, running):
+    assert (
+        job(
+            "POST",
+            "metrics",
+            {"step": 1, "version": 1, "metrics": {"rollout/reward": 0.25, "ppo/loss": 1.0}},
+        ).status_code
+        == 200
+    )
+    assert (
+        job(
+            "POST", "metrics", {"step": 1, "version": 1, "metrics": {"rollout/reward": 0.5}}
+        ).status_code
+        == 200
+    )
+    points = MetricPoint.objects.filter(run=running, name="rollout/reward")
+    assert [(p.step, p.value) for p in points] == [(1, 0.5)]
+    running.refresh_from_db()
+    assert (running.step, running.weight_version) == (1, 1)
+
+
+def test_bad_reports_are_400_and_store_nothing(job, running):
+    assert job("POST", "metrics", {"step": "one", "metrics": {}}).status_code == 400
+    assert job("POST", "metrics", {"step": 1, "metrics": [1, 2]}).status_code == 400
+    assert job("POST", "status", {"status": "exploded"}).status_code == 400
+    assert job("POST", "claim", {"limit": 0}).status_code == 400
+    assert MetricPoint.objects.filter(run=running).count() == 0
+
+
+def test_episodes_are_recorded_like_gateway_sessions_and_claimed_once(job, running):
+    created = job("POST", "episodes", {"episodes": [episode(1.0), episode(0.0)]})
+    assert created.status_code == 201
+    ids = created.json()["sessions"]
+    assert Session.objects.filter(pk__in=ids, trajectory="ready").count() == 2
+    assert Interaction.objects.filter(session_id__in=ids).count() == 2
+
+    first = job("POST", "claim", {"limit": 1}).json()["sessions"]
+    second = job("POST", "claim", {"limit": 5}).json()["sessions"]
+    assert len(first) == len(second) == 1
+    assert first[0]["session_id"] != second[0]["session_id"]
+    trajectory = first[0]["trajectories"][0]
+    assert trajectory["input_ids"] == [1, 2, 3, 4, 5]
+    assert trajectory["loss_mask"] == [0, 0, 0, 1, 1]
+    assert trajectory["versions"] == [-1, -1, -1, 0, 0]
+    assert trajectory["group_id"] == "g1"
+    assert job("POST", "claim", {"limit": 5}).json()["sessions"] == []
+
+
+def test_trained_and_released_sessions_change_state(job, running):
+    ids = job("POST", "episodes", {"episodes": [episode(1.0), episode(0.5), episode(0.0)]}).json()[
+        "sessions"
+    ]
+    job("POST", "claim", {"limit": 3})
+    assert (
+        job("POST", "trained", {"version": 1, "trained": ids[:1], "dropped": ids[1:2]}).status_code
+        == 200
+    )
+    assert job("POST", "release", {}).json()["released"] == 1
+    states = dict(Session.objects.filter(pk__in=ids).values_list("pk", "trajectory"))
+    assert sorted(states.values()) == ["dropped", "ready", "trained"]
+
+
+def test_checkpoints_reported_by_the_job_are_listed_by_the_rest_api(job, running, api):
+    assert (
+        job(
+            "POST",
+            "checkpoints",
+            {"version": 3, "step": 3, "path": "/data/ckpt/v3", "size_bytes": 1234},
+        ).status_code
+        == 200
+    )
+    assert Checkpoint.objects.filter(run=running, version=3).exists()
+    listed = api.get(f"/api/v1/runs/{running.id}/checkpoints/").json()["results"]
+    assert listed[0]["version"] == 3 and listed[0]["size_bytes"] == 1234
+
+
+def test_status_reports_move_the_state_machine(job, running):
+    assert (
+        job("POST", "status", {"status": "completed", "message": "done"}).json()["status"]
+        == "completed"
+    )
+    running.refresh_from_db()
+    assert running.status == "completed" and running.finished_at is not None
+    assert job("POST", "status", {"status": "running"}).status_code == 409
+
+
+def test_servers_registered_by_the_job_turn_a_starting_run_running(
+    client, project, make_run, set_status
+):
+    run = set_status(make_run(project, name="boot"), "starting")
+    secret = job_secret_issue(run=run)
+    response = client.post(
+        url(run, "servers"),
+        data={"url": "http://127.0.0.1:1", "backend": "torch"},
+        content_type="application/json",
+        HTTP_AUTHORIZATION=f"Bearer {secret}",
+    )
+    assert response.status_code == 200
+    run.refresh_from_db()
+    assert run.status == "running"
+    assert list(run.servers.values_list("url", flat=True)) == ["http://127.0.0.1:1"]

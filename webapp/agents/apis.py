@@ -1,0 +1,66 @@
+from __future__ import annotations
+
+from drf_spectacular.utils import extend_schema
+from rest_framework import serializers, status
+from rest_framework.response import Response
+
+from webapp.agents.selectors import agent_get, agent_list
+from webapp.agents.services import AgentInvalid, agent_create, agent_delete
+from webapp.api.views import ProjectAPIView
+from webapp.runs.selectors import run_get
+
+
+class AgentOutput(serializers.Serializer):
+    id = serializers.UUIDField()
+    name = serializers.CharField()
+    run = serializers.UUIDField(source="run_id", allow_null=True)
+    base_url = serializers.CharField()
+    created_at = serializers.DateTimeField()
+
+
+class AgentCreateInput(serializers.Serializer):
+    name = serializers.CharField(max_length=200)
+    run = serializers.CharField(
+        required=False, allow_null=True, help_text="Run id whose policy serves this agent."
+    )
+
+
+class AgentListApi(ProjectAPIView):
+    @extend_schema(responses=AgentOutput(many=True), summary="List agents")
+    def get(self, request):
+        return self.paginate(
+            agent_list(project=self.project, run_id=request.query_params.get("run")), AgentOutput
+        )
+
+    @extend_schema(
+        request=AgentCreateInput,
+        responses={201: AgentOutput},
+        summary="Create an agent and get its base_url",
+    )
+    def post(self, request):
+        data = AgentCreateInput(data=request.data)
+        data.is_valid(raise_exception=True)
+        run = None
+        if data.validated_data.get("run"):
+            try:
+                run = run_get(project=self.project, run_id=data.validated_data["run"])
+            except Exception:
+                raise serializers.ValidationError(
+                    {"run": ["Run not found in this project."]}
+                ) from None
+        try:
+            agent = agent_create(project=self.project, name=data.validated_data["name"], run=run)
+        except AgentInvalid as exc:
+            raise serializers.ValidationError(exc.errors) from None
+        return Response(AgentOutput(agent).data, status=status.HTTP_201_CREATED)
+
+
+class AgentDetailApi(ProjectAPIView):
+    @extend_schema(responses=AgentOutput, summary="An agent")
+    def get(self, request, agent_id):
+        return Response(AgentOutput(agent_get(project=self.project, agent_id=agent_id)).data)
+
+    @extend_schema(responses={204: None}, summary="Delete an agent")
+    def delete(self, request, agent_id):
+        agent_delete(agent=agent_get(project=self.project, agent_id=agent_id))
+        return Response(status=status.HTTP_204_NO_CONTENT)

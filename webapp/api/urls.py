@@ -1,0 +1,46 @@
+from django.urls import path
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+
+from webapp.accounts import apis as accounts
+from webapp.agents import apis as agents
+from webapp.datasets import apis as datasets
+from webapp.gateway import apis as sessions
+from webapp.runs import apis as runs
+
+urlpatterns = [
+    path(
+        "schema/",
+        SpectacularAPIView.as_view(authentication_classes=[], permission_classes=[]),
+        name="schema",
+    ),
+    path(
+        "docs/",
+        SpectacularSwaggerView.as_view(
+            url_name="api:schema", authentication_classes=[], permission_classes=[]
+        ),
+        name="docs",
+    ),
+    path("project/", accounts.ProjectDetailApi.as_view(), name="project"),
+    path("keys/", accounts.KeyListApi.as_view(), name="keys"),
+    path("keys/<str:key_id>/", accounts.KeyDetailApi.as_view(), name="key"),
+    path("keys/<str:key_id>/revoke/", accounts.KeyRevokeApi.as_view(), name="key-revoke"),
+    path("datasets/", datasets.DatasetListApi.as_view(), name="datasets"),
+    path("datasets/<str:dataset_id>/", datasets.DatasetDetailApi.as_view(), name="dataset"),
+    path("runs/", runs.RunListApi.as_view(), name="runs"),
+    path("runs/<str:run_id>/", runs.RunDetailApi.as_view(), name="run"),
+    path("runs/<str:run_id>/start/", runs.RunStartApi.as_view(), name="run-start"),
+    path("runs/<str:run_id>/stop/", runs.RunStopApi.as_view(), name="run-stop"),
+    path("runs/<str:run_id>/metrics/", runs.RunMetricsApi.as_view(), name="run-metrics"),
+    path(
+        "runs/<str:run_id>/checkpoints/", runs.RunCheckpointsApi.as_view(), name="run-checkpoints"
+    ),
+    path(
+        "runs/<str:run_id>/trajectories.jsonl",
+        sessions.RunTrajectoriesExportApi.as_view(),
+        name="run-trajectories",
+    ),
+    path("agents/", agents.AgentListApi.as_view(), name="agents"),
+    path("agents/<str:agent_id>/", agents.AgentDetailApi.as_view(), name="agent"),
+    path("sessions/", sessions.SessionListApi.as_view(), name="sessions"),
+    path("sessions/<str:session_id>/", sessions.SessionDetailApi.as_view(), name="session"),
+]

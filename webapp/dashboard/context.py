@@ -1,0 +1,5 @@
+from django.conf import settings
+
+
+def site(request):
+    return {"SITE_URL": settings.SITE_URL}

@@ -1,0 +1,195 @@
+"""A recorded session as the session page shows it: turns, new messages, version-coloured tokens."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from rl_core.chat import load_chat_tokenizer
+
+logger = logging.getLogger(__name__)
+
+PALETTE_SIZE = 8  # colours .v0 … .v7 in steep.css, reused past eight versions
+
+
+@dataclass
+class Token:
+    id: int
+    text: str
+    version: int
+    logprob: float
+    colour: int
+
+
+@dataclass
+class Choice:
+    index: int
+    tokens: list[Token]
+    text: str
+    finish_reason: str | None
+
+
+@dataclass
+class Turn:
+    interaction: object  # gateway.models.Interaction
+    messages: list[dict]  # what the agent added this turn, ready to print
+    full_history: bool  # every message as sent (first turn, or the agent rewrote its history)
+    answer: Choice
+    other_choices: list[Choice] = field(default_factory=list)
+
+
+def token_decoder(base_model: str) -> Callable[[list[int]], list[str]] | None:
+    """Token ids → the text of each token with the run's own tokenizer; None when it can't load here.
+
+    A character split over several byte-level tokens decodes to "\ufffd" token by token; its
+    first token then shows the whole character and the others show nothing.
+    """
+    try:
+        tokenizer = load_chat_tokenizer(base_model)
+    except Exception as exc:  # missing or unreadable model directory: the page shows ids instead
+        logger.info("No tokenizer for %s on the session page: %s", base_model, exc)
+        return None
+
+    def text(ids: list[int]) -> str:
+        try:
+            if len(ids) == 1:
+                return tokenizer.token_text(ids[0])
+            return tokenizer.decode(ids, skip_special_tokens=False)
+        except Exception:
+            return "".join(f"[{i}]" for i in ids)
+
+    def decode(ids: list[int]) -> list[str]:
+        texts, i = [], 0
+        while i < len(ids):
+            piece, width = text([ids[i]]), 1
+            if "\ufffd" in piece:
+                for n in range(2, min(4, len(ids) - i) + 1):  # UTF-8: at most 4 bytes a character
+                    joined = text(ids[i : i + n])
+                    if "\ufffd" not in joined:
+                        piece, width = joined, n
+                        break
+            texts += [piece] + [""] * (width - 1)
+            i += width
+        return texts
+
+    return decode
+
+
+def message_text(content) -> str:
+    """A message's content as text: a string, or the text of its parts (others named)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if isinstance(part, dict) and part.get("type") == "text":
+                parts.append(str(part.get("text", "")))
+            else:
+                kind = part.get("type", "part") if isinstance(part, dict) else "part"
+                parts.append(f"[{kind}]")
+        return "\n".join(parts)
+    return json.dumps(content)
+
+
+def _printable(message: dict) -> dict:
+    calls = []
+    for call in message.get("tool_calls") or []:
+        fn = call.get("function", call) if isinstance(call, dict) else {}
+        arguments = fn.get("arguments", "")
+        if not isinstance(arguments, str):
+            arguments = json.dumps(arguments)
+        calls.append(f"{fn.get('name', '?')}({arguments})")
+    return {
+        "role": message.get("role", "?"),
+        "name": message.get("name") or message.get("tool_call_id") or "",
+        "text": message_text(message.get("content")),
+        "tool_calls": calls,
+    }
+
+
+def new_messages(previous: list | None, messages: list) -> tuple[list, bool]:
+    """What a turn added to the conversation, and whether that is the whole history.
+
+    A turn normally resends the previous turn's messages plus that turn's answer,
+    then adds its own: only those are new. An agent that rewrote its history
+    (trimmed context, edited a message) gets every message shown as sent.
+    """
+    if previous is None:
+        return messages, True
+    n = len(previous)
+    if len(messages) > n and messages[:n] == previous:
+        added = messages[n:]
+        if added and isinstance(added[0], dict) and added[0].get("role") == "assistant":
+            added = added[1:]  # the previous answer, echoed back: shown as that turn's answer
+        return added, False
+    return messages, True
+
+
+def _choice(index: int, output: dict, decode, colours: dict[int, int]) -> Choice:
+    ids = output.get("output_ids") or []
+    versions = output.get("versions") or [-1] * len(ids)
+    logprobs = output.get("logprobs") or [0.0] * len(ids)
+    texts = decode(ids) if decode else [str(i) for i in ids]
+    tokens = [
+        Token(id=i, text=text, version=version, logprob=logprob, colour=colours.get(version, 0))
+        for i, text, version, logprob in zip(ids, texts, versions, logprobs, strict=False)
+    ]
+    return Choice(index, tokens, output.get("text", ""), output.get("finish_reason"))
+
+
+def session_versions(interactions) -> list[int]:
+    """Every policy version that produced a token of the session, oldest first."""
+    versions: set[int] = set()
+    for interaction in interactions:
+        for output in interaction.outputs or []:
+            versions.update(v for v in output.get("versions") or [] if v >= 0)
+    return sorted(versions)
+
+
+def _colours(interactions) -> dict[int, int]:
+    return {v: i % PALETTE_SIZE for i, v in enumerate(session_versions(interactions))}
+
+
+def conversation(interactions, *, decode: Callable[[list[int]], list[str]] | None) -> list[Turn]:
+    colours = _colours(interactions)
+    turns, previous = [], None
+    for interaction in interactions:
+        messages, full = new_messages(previous, interaction.messages or [])
+        previous = interaction.messages
+        outputs = interaction.outputs or [{}]
+        chosen = interaction.chosen if interaction.chosen < len(outputs) else 0
+        choices = [_choice(i, out, decode, colours) for i, out in enumerate(outputs)]
+        turns.append(
+            Turn(
+                interaction=interaction,
+                messages=[_printable(m) for m in messages if isinstance(m, dict)],
+                full_history=full,
+                answer=choices[chosen],
+                other_choices=[c for c in choices if c.index != chosen],
+            )
+        )
+    return turns
+
+
+def legend(interactions) -> list[dict]:
+    return [{"version": v, "colour": c} for v, c in _colours(interactions).items()]
+
+
+def interaction_preview(interaction) -> dict:
+    """The last message sent and the answer, short, for lists of turns."""
+    messages = interaction.messages or []
+    last = messages[-1] if messages and isinstance(messages[-1], dict) else {}
+    outputs = interaction.outputs or [{}]
+    chosen = outputs[interaction.chosen] if interaction.chosen < len(outputs) else outputs[0]
+    versions = [v for v in chosen.get("versions") or [] if v >= 0]
+    return {
+        "interaction": interaction,
+        "prompt": message_text(last.get("content")),
+        "answer": chosen.get("text", ""),
+        "tokens": len(chosen.get("output_ids") or []),
+        "versions": sorted(set(versions)),
+    }

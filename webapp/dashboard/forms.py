@@ -1,0 +1,114 @@
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from django import forms
+from django.contrib.auth import get_user_model
+from django.contrib.auth.forms import UserCreationForm
+
+from rl_core.config import ConfigError, RunConfig
+
+
+class SignupForm(UserCreationForm):
+    class Meta:
+        model = get_user_model()
+        fields = ["username"]
+
+
+class ProjectForm(forms.Form):
+    name = forms.CharField(max_length=100)
+
+
+class KeyForm(forms.Form):
+    name = forms.CharField(
+        max_length=100, required=False, help_text="A label, e.g. the agent or machine using it."
+    )
+
+
+class DatasetForm(forms.Form):
+    name = forms.CharField(max_length=200)
+    file = forms.FileField(
+        help_text='JSONL, one {"prompt": ...} or {"messages": [...]} per line; optional "answer", "metadata".'
+    )
+
+
+class AgentForm(forms.Form):
+    name = forms.CharField(max_length=200)
+    run = forms.ChoiceField(required=False, help_text="The run whose policy answers this agent.")
+
+    def __init__(self, *args, runs=(), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fields["run"].choices = [("", "— none yet —")] + [(str(r.id), r.name) for r in runs]
+
+
+def _form_field(spec) -> forms.Field:
+    """A form field for one RunConfig setting: widget and help from the dataclass; validation stays there."""
+    kind = spec.type if isinstance(spec.type, str) else spec.type.__name__
+    default = None if spec.default is dataclasses.MISSING else spec.default
+    help_text = spec.metadata["help"]
+    required = bool(spec.metadata.get("required"))
+    if spec.metadata.get("choices"):
+        return forms.ChoiceField(
+            choices=[(c, c) for c in spec.metadata["choices"]], initial=default, help_text=help_text
+        )
+    if kind == "bool":
+        return forms.BooleanField(required=False, initial=default, help_text=help_text)
+    if kind == "int":
+        return forms.IntegerField(required=required, initial=default, help_text=help_text)
+    if "float" in kind:
+        return forms.FloatField(required=False, initial=default, help_text=help_text)
+    if kind == "dict":
+        return forms.CharField(
+            required=False,
+            initial="",
+            help_text=help_text,
+            widget=forms.TextInput(attrs={"placeholder": '{"type": "exact_match"}'}),
+        )
+    return forms.CharField(required=required, initial=default, help_text=help_text)
+
+
+class RunForm(forms.Form):
+    """Built from RunConfig's fields; ``clean`` hands the values to RunConfig.from_dict, the one validator."""
+
+    name = forms.CharField(max_length=200)
+    dataset = forms.ChoiceField(required=False, help_text="Required in dataset mode.")
+
+    def __init__(self, *args, datasets=(), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fields["dataset"].choices = [("", "— none —")] + [
+            (str(d.id), f"{d.name} ({d.row_count} rows)") for d in datasets
+        ]
+        for spec in RunConfig.field_specs():
+            self.fields[spec.name] = _form_field(spec)
+        self.fields["reward"].initial = '{"type": "exact_match"}'
+
+    def config_fields(self):
+        names = {spec.name for spec in RunConfig.field_specs()}
+        return [self[name] for name in self.fields if name in names]
+
+    def clean(self):
+        cleaned = super().clean()
+        values = {}
+        for spec in RunConfig.field_specs():
+            if spec.name not in cleaned:
+                continue
+            value = cleaned[spec.name]
+            if spec.name == "reward":
+                try:
+                    value = json.loads(value) if value else {}
+                except ValueError:
+                    self.add_error("reward", 'Enter a JSON object, e.g. {"type": "exact_match"}.')
+                    continue
+            if value is None and spec.default is not None and "None" not in str(spec.type):
+                continue
+            values[spec.name] = value
+        if self.errors:
+            return cleaned
+        try:
+            cleaned["config"] = RunConfig.from_dict(values)
+        except ConfigError as exc:
+            for field, messages in exc.errors.items():
+                for message in messages:
+                    self.add_error(field if field in self.fields else None, message)
+        return cleaned

@@ -1,0 +1,38 @@
+from django.contrib.auth import views as auth_views
+from django.urls import path
+
+from webapp.dashboard import views
+
+app_name = "dashboard"
+
+urlpatterns = [
+    path("", views.home, name="home"),
+    path("login/", auth_views.LoginView.as_view(), name="login"),
+    path("logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("signup/", views.signup, name="signup"),
+    path("projects/", views.projects, name="projects"),
+    path("projects/<str:project_id>/", views.project_detail, name="project"),
+    path("projects/<str:project_id>/runs/", views.runs, name="runs"),
+    path("projects/<str:project_id>/runs/new/", views.run_new, name="run-new"),
+    path("projects/<str:project_id>/runs/<str:run_id>/", views.run_detail, name="run"),
+    path(
+        "projects/<str:project_id>/runs/<str:run_id>/<str:action>/",
+        views.run_action,
+        name="run-action",
+    ),
+    path("projects/<str:project_id>/agents/", views.agents, name="agents"),
+    path("projects/<str:project_id>/agents/<str:agent_id>/", views.agent_detail, name="agent"),
+    path(
+        "projects/<str:project_id>/sessions/<str:session_id>/",
+        views.session_detail,
+        name="session",
+    ),
+    path("projects/<str:project_id>/datasets/", views.datasets, name="datasets"),
+    path(
+        "projects/<str:project_id>/datasets/<str:dataset_id>/", views.dataset_detail, name="dataset"
+    ),
+    path("projects/<str:project_id>/keys/", views.keys, name="keys"),
+    path(
+        "projects/<str:project_id>/keys/<str:key_id>/revoke/", views.key_revoke, name="key-revoke"
+    ),
+]

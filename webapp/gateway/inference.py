@@ -1,0 +1,122 @@
+"""Calling a run's inference servers: routing, failover, and the n parallel samples of a request."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass
+
+from asgiref.sync import sync_to_async
+
+from rl_core.inference.client import (
+    GenerateResult,
+    InferenceClient,
+    InferenceError,
+    InferenceUnavailable,
+)
+from webapp.gateway import selectors
+from webapp.gateway.errors import GatewayError
+from webapp.gateway.services import inference_server_mark_down, inference_server_mark_up
+
+_CLIENTS: dict[tuple[int, str], InferenceClient] = {}
+
+# A run's serving servers, per process, re-read at most every SERVERS_TTL_S (and at once after a
+# failure here): the list changes when servers are attached, stopped or marked down, rarely.
+SERVERS_TTL_S = 1.0
+_SERVERS: dict[object, tuple[float, list[tuple[str, bool]]]] = {}
+
+
+async def _candidates(run_id, sticky: str) -> list[tuple[str, bool]]:
+    cached = _SERVERS.get(run_id)
+    if cached is not None and cached[0] > time.monotonic():
+        return selectors.order_candidates(cached[1], sticky)
+    servers = await sync_to_async(selectors.server_candidates, thread_sensitive=False)(
+        run_id=run_id, sticky=sticky
+    )
+    if servers:  # an empty list is not cached: a server attached now is used at once
+        _SERVERS[run_id] = (time.monotonic() + SERVERS_TTL_S, servers)
+    return servers
+
+
+async def _mark_down(run_id, url: str) -> None:
+    _SERVERS.pop(run_id, None)
+    await sync_to_async(inference_server_mark_down, thread_sensitive=False)(run_id=run_id, url=url)
+
+
+def _client(url: str) -> InferenceClient:
+    # One pooled HTTP client per event loop and server: httpx clients are bound to their loop.
+    key = (id(asyncio.get_running_loop()), url)
+    client = _CLIENTS.get(key)
+    if client is None:
+        client = _CLIENTS[key] = InferenceClient(url)
+    return client
+
+
+@dataclass
+class Generation:
+    server_url: str
+    results: list[GenerateResult]
+
+
+async def generate(
+    *,
+    run_id,
+    sticky: str,
+    input_ids: list[int],
+    sampling_params: dict,
+    n: int,
+    seed: int | None,
+    top_logprobs: int,
+) -> Generation:
+    """Sample ``n`` answers on one server (the session's, else the least loaded); fail over on a dead one."""
+    candidates = await _candidates(run_id, sticky)
+    if not candidates:
+        raise GatewayError(
+            503,
+            "No inference server is up for this run yet; it is starting or has stopped. Retry shortly.",
+            code="no_inference_server",
+            retry_after=5,
+        )
+    last_error: Exception | None = None
+    for url, healthy in candidates:
+        client = _client(url)
+        selectors.IN_FLIGHT[url] += n
+        try:
+            jobs = []
+            for index in range(n):
+                params = dict(sampling_params)
+                if seed is not None:
+                    params["sampling_seed"] = seed + index
+                jobs.append(
+                    client.generate(
+                        input_ids, params, rid=uuid.uuid4().hex, top_logprobs_num=top_logprobs
+                    )
+                )
+            results = await asyncio.gather(*jobs)
+        except InferenceUnavailable as exc:
+            last_error = exc
+            await _mark_down(run_id, url)
+            continue
+        except InferenceError as exc:
+            if exc.status is not None and 400 <= exc.status < 500:
+                raise GatewayError(
+                    400, f"The inference server rejected the request: {exc}", code="invalid_request"
+                ) from None
+            last_error = exc
+            await _mark_down(run_id, url)
+            continue
+        finally:
+            selectors.IN_FLIGHT[url] -= n
+        if not healthy:  # back after its back-off: in rotation again
+            _SERVERS.pop(run_id, None)
+            await sync_to_async(inference_server_mark_up, thread_sensitive=False)(
+                run_id=run_id, url=url
+            )
+        return Generation(server_url=url, results=list(results))
+    raise GatewayError(
+        503,
+        f"Every inference server of this run failed ({last_error}). Retry shortly.",
+        code="inference_unavailable",
+        retry_after=5,
+    )

@@ -1,0 +1,295 @@
+"""Parsing and validating chat-completion requests. Pure: no I/O, no Django models."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from webapp.gateway.errors import bad_request
+
+ROLES = {"system", "developer", "user", "assistant", "tool"}
+MAX_N = 16
+MAX_TOP_LOGPROBS = 20
+DEFAULT_MAX_TOKENS = 512
+
+
+@dataclass
+class ChatRequest:
+    messages: list[dict]
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    tools: list[dict] | None = None
+    tool_choice: Any = "auto"
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    @property
+    def rendered_tools(self) -> list[dict] | None:
+        return None if self.tool_choice == "none" else self.tools
+
+    def fingerprint(self) -> str:
+        """Identifies a re-sent request (an SDK retry): same messages, tools and sampling settings."""
+        payload = {
+            "messages": [normalize_message(m) for m in self.messages],
+            "tools": self.tools,
+            "sampling": [
+                self.max_tokens,
+                self.temperature,
+                self.top_p,
+                self.n,
+                self.seed,
+                self.stop,
+            ],
+        }
+        return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
+
+    def sampling_params(self, *, max_new_tokens: int, stop_token_ids: list[int]) -> dict:
+        """SGLang's ``sampling_params`` names."""
+        params: dict[str, Any] = {
+            "max_new_tokens": max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "stop_token_ids": stop_token_ids,
+        }
+        if self.stop:
+            params["stop"] = self.stop
+        if self.presence_penalty:
+            params["presence_penalty"] = self.presence_penalty
+        if self.frequency_penalty:
+            params["frequency_penalty"] = self.frequency_penalty
+        return params
+
+
+def _number(body: dict, name: str, default: float, low: float, high: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise bad_request(
+            f"'{name}' must be a number; got {type(value).__name__}.",
+            param=name,
+            code="invalid_type",
+        )
+    if not low <= value <= high:
+        raise bad_request(f"'{name}' must be between {low} and {high}; got {value}.", param=name)
+    return float(value)
+
+
+def _integer(body: dict, name: str, default: int | None, low: int, high: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad_request(
+            f"'{name}' must be an integer; got {type(value).__name__}.",
+            param=name,
+            code="invalid_type",
+        )
+    if not low <= value <= high:
+        raise bad_request(f"'{name}' must be between {low} and {high}; got {value}.", param=name)
+    return value
+
+
+def _bool(body: dict, name: str) -> bool:
+    value = body.get(name, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise bad_request(f"'{name}' must be true or false.", param=name, code="invalid_type")
+    return value
+
+
+def _messages(body: dict) -> list[dict]:
+    messages = body.get("messages")
+    if messages is None:
+        raise bad_request(
+            "'messages' is required: a list of {role, content} objects.",
+            param="messages",
+            code="missing_required_parameter",
+        )
+    if not isinstance(messages, list) or not messages:
+        raise bad_request(
+            "'messages' must be a non-empty list.", param="messages", code="invalid_type"
+        )
+    for i, message in enumerate(messages):
+        param = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise bad_request(f"{param} must be an object.", param=param, code="invalid_type")
+        if message.get("role") not in ROLES:
+            raise bad_request(
+                f"{param}.role must be one of {', '.join(sorted(ROLES))}.", param=f"{param}.role"
+            )
+        content = message.get("content")
+        if content is None and not (message["role"] == "assistant" and message.get("tool_calls")):
+            raise bad_request(
+                f"{param}.content is required.",
+                param=f"{param}.content",
+                code="missing_required_parameter",
+            )
+        if content is not None and not isinstance(content, str | list):
+            raise bad_request(
+                f"{param}.content must be a string or a list of content parts.",
+                param=f"{param}.content",
+                code="invalid_type",
+            )
+        if isinstance(content, list):
+            for part in content:
+                if (
+                    not isinstance(part, dict)
+                    or part.get("type") != "text"
+                    or not isinstance(part.get("text"), str)
+                ):
+                    raise bad_request(
+                        f"{param}.content: only text parts are supported.", param=f"{param}.content"
+                    )
+        if message.get("tool_calls") is not None and not isinstance(message["tool_calls"], list):
+            raise bad_request(
+                f"{param}.tool_calls must be a list.",
+                param=f"{param}.tool_calls",
+                code="invalid_type",
+            )
+    return messages
+
+
+def parse_chat_request(body: Any) -> ChatRequest:
+    if not isinstance(body, dict):
+        raise bad_request("The request body must be a JSON object.", code="invalid_json")
+    messages = _messages(body)
+    if "model" in body and not isinstance(body["model"], str):
+        raise bad_request("'model' must be a string.", param="model", code="invalid_type")
+    max_tokens = _integer(body, "max_completion_tokens", None, 1, 1_000_000)
+    if max_tokens is None:
+        max_tokens = _integer(body, "max_tokens", DEFAULT_MAX_TOKENS, 1, 1_000_000)
+    stop = body.get("stop")
+    if stop is None:
+        stop_list: list[str] = []
+    elif isinstance(stop, str):
+        stop_list = [stop]
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= 4:
+        stop_list = list(stop)
+    else:
+        raise bad_request(
+            "'stop' must be a string or a list of up to 4 strings.",
+            param="stop",
+            code="invalid_type",
+        )
+    stream_options = body.get("stream_options") or {}
+    if not isinstance(stream_options, dict):
+        raise bad_request(
+            "'stream_options' must be an object.", param="stream_options", code="invalid_type"
+        )
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list) or not all(
+            isinstance(t, dict)
+            and t.get("type") == "function"
+            and isinstance(t.get("function"), dict)
+            and isinstance(t["function"].get("name"), str)
+            for t in tools
+        ):
+            raise bad_request(
+                "'tools' must be a list of {type: 'function', function: {name, description?, parameters?}}.",
+                param="tools",
+                code="invalid_type",
+            )
+    tool_choice = body.get("tool_choice", "auto")
+    if not (tool_choice in ("none", "auto", "required") or isinstance(tool_choice, dict)):
+        raise bad_request(
+            "'tool_choice' must be 'none', 'auto', 'required' or an object naming a function.",
+            param="tool_choice",
+        )
+    logprobs = _bool(body, "logprobs")
+    top_logprobs = _integer(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS) or 0
+    if top_logprobs and not logprobs:
+        raise bad_request("'top_logprobs' needs 'logprobs': true.", param="top_logprobs")
+    return ChatRequest(
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
+        n=_integer(body, "n", 1, 1, MAX_N) or 1,
+        seed=_integer(body, "seed", None, -(2**63), 2**63 - 1),
+        stop=stop_list,
+        stream=_bool(body, "stream"),
+        include_usage=bool(stream_options.get("include_usage")),
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        tools=tools,
+        tool_choice=tool_choice,
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+    )
+
+
+# NUL, and the lone surrogates a JSON escape like "\ud800" yields: not text PostgreSQL (or UTF-8) can hold.
+_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+
+
+def check_storable(body: Any) -> None:
+    """Refuse a parsed body holding a string the database cannot store, before anything runs."""
+    stack = [body]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str):
+            if _UNSTORABLE.search(value):
+                raise bad_request(
+                    "The body contains a NUL character or an unpaired surrogate escape "
+                    "(\\ud800-\\udfff), which text cannot hold.",
+                    code="invalid_value",
+                )
+        elif isinstance(value, dict):
+            stack.extend(value)
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+
+
+def storable_text(text: str) -> str:
+    """Generated text as recorded and returned: a generated NUL becomes U+FFFD, as undecodable bytes do."""
+    return text.replace("\x00", "\ufffd")
+
+
+def content_text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+
+
+def normalize_message(message: dict) -> dict:
+    """The parts of a message that reach the model, in a canonical form for comparisons.
+
+    SDKs echo an assistant message back with extra keys (refusal, audio, annotations…)
+    and ``None`` for absent ones; only role, content, tool calls and tool ids matter.
+    """
+    out: dict[str, Any] = {
+        "role": message.get("role"),
+        "content": content_text(message.get("content")),
+    }
+    calls = []
+    for call in message.get("tool_calls") or []:
+        fn = call.get("function", {}) if isinstance(call, dict) else {}
+        arguments = fn.get("arguments", "")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments else {}
+            except ValueError:
+                pass
+        calls.append({"name": fn.get("name"), "arguments": arguments})
+    if calls:
+        out["tool_calls"] = calls
+    if message.get("tool_call_id"):
+        out["tool_call_id"] = message["tool_call_id"]
+    return out

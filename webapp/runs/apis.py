@@ -1,0 +1,216 @@
+from __future__ import annotations
+
+from drf_spectacular.utils import OpenApiParameter, extend_schema
+from rest_framework import serializers, status
+from rest_framework.response import Response
+
+from rl_core.config import ConfigError, RunConfig
+from webapp.api.errors import Conflict
+from webapp.api.fields import RAW_FIELDS
+from webapp.api.views import ProjectAPIView
+from webapp.datasets.selectors import dataset_get
+from webapp.runs.models import Run
+from webapp.runs.selectors import checkpoint_list, metric_list, run_get, run_list
+from webapp.runs.services import (
+    IllegalTransition,
+    RunInvalid,
+    run_create,
+    run_delete,
+    run_start,
+    run_stop,
+)
+
+CONFIG_FIELDS = [f.name for f in RunConfig.field_specs()]
+
+
+def _config_field(spec):
+    kind = spec.type if isinstance(spec.type, str) else spec.type.__name__
+    raw = RAW_FIELDS[kind.replace(" | None", "").strip()]
+    return raw(required=bool(spec.metadata.get("required")), help_text=spec.metadata["help"])
+
+
+class RunCreateInput(serializers.Serializer):
+    """``name``, optional ``dataset`` id, and any ``RunConfig`` setting as a top-level field."""
+
+    name = serializers.CharField(max_length=200)
+    dataset = serializers.CharField(
+        required=False, allow_null=True, help_text="Dataset id (required in dataset mode)."
+    )
+
+    def get_fields(self):
+        fields = super().get_fields()
+        fields.update({spec.name: _config_field(spec) for spec in RunConfig.field_specs()})
+        return fields
+
+    def validate(self, attrs):
+        unknown = sorted(set(self.initial_data) - set(self.fields))
+        if unknown:
+            raise serializers.ValidationError({key: [f"Unknown field '{key}'."] for key in unknown})
+        settings = {name: attrs[name] for name in CONFIG_FIELDS if name in attrs}
+        try:
+            attrs["config"] = RunConfig.from_dict(settings)
+        except ConfigError as exc:
+            raise serializers.ValidationError(exc.errors) from None
+        return attrs
+
+
+class RunOutput(serializers.Serializer):
+    id = serializers.UUIDField()
+    name = serializers.CharField()
+    mode = serializers.CharField()
+    base_model = serializers.CharField()
+    dataset = serializers.UUIDField(source="dataset_id", allow_null=True)
+    status = serializers.CharField()
+    step = serializers.IntegerField()
+    weight_version = serializers.IntegerField()
+    error = serializers.CharField()
+    config = serializers.DictField()
+    created_at = serializers.DateTimeField()
+    queued_at = serializers.DateTimeField(allow_null=True)
+    started_at = serializers.DateTimeField(allow_null=True)
+    finished_at = serializers.DateTimeField(allow_null=True)
+
+
+class RunEventOutput(serializers.Serializer):
+    created_at = serializers.DateTimeField()
+    kind = serializers.CharField()
+    message = serializers.CharField()
+
+
+class RunDetailOutput(RunOutput):
+    events = serializers.SerializerMethodField()
+
+    def get_events(self, run) -> list[dict]:
+        return RunEventOutput(run.events.order_by("-created_at", "-id")[:50], many=True).data
+
+
+class RunListApi(ProjectAPIView):
+    @extend_schema(
+        parameters=[OpenApiParameter("status", str, description="Only runs in this status.")],
+        responses=RunOutput(many=True),
+        summary="List runs",
+    )
+    def get(self, request):
+        status_filter = request.query_params.get("status")
+        if status_filter and status_filter not in Run.Status.values:
+            raise serializers.ValidationError(
+                {"status": [f"Must be one of {', '.join(Run.Status.values)}."]}
+            )
+        return self.paginate(run_list(project=self.project, status=status_filter), RunOutput)
+
+    @extend_schema(
+        request=RunCreateInput,
+        responses={201: RunDetailOutput},
+        summary="Create a run (as a draft)",
+    )
+    def post(self, request):
+        if not isinstance(request.data, dict):
+            raise serializers.ValidationError({"non_field_errors": ["Expected a JSON object."]})
+        data = RunCreateInput(data=request.data)
+        data.is_valid(raise_exception=True)
+        dataset_id = data.validated_data.get("dataset")
+        dataset = None
+        if dataset_id:
+            try:
+                dataset = dataset_get(project=self.project, dataset_id=dataset_id)
+            except Exception:
+                raise serializers.ValidationError(
+                    {"dataset": ["Dataset not found in this project."]}
+                ) from None
+        try:
+            run = run_create(
+                project=self.project,
+                name=data.validated_data["name"],
+                config=data.validated_data["config"],
+                dataset=dataset,
+            )
+        except RunInvalid as exc:
+            raise serializers.ValidationError(exc.errors) from None
+        return Response(RunDetailOutput(run).data, status=status.HTTP_201_CREATED)
+
+
+class RunDetailApi(ProjectAPIView):
+    @extend_schema(responses=RunDetailOutput, summary="A run with its recent events")
+    def get(self, request, run_id):
+        return Response(RunDetailOutput(run_get(project=self.project, run_id=run_id)).data)
+
+    @extend_schema(responses={204: None}, summary="Delete a run that is not active")
+    def delete(self, request, run_id):
+        try:
+            run_delete(run=run_get(project=self.project, run_id=run_id))
+        except IllegalTransition as exc:
+            raise Conflict(f"{exc} Stop it first.") from None
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+class RunStartApi(ProjectAPIView):
+    @extend_schema(
+        request=None, responses={202: RunDetailOutput}, summary="Start (or resume) a run"
+    )
+    def post(self, request, run_id):
+        run = run_get(project=self.project, run_id=run_id)
+        try:
+            run = run_start(run=run)
+        except IllegalTransition as exc:
+            raise Conflict(str(exc)) from None
+        return Response(RunDetailOutput(run).data, status=status.HTTP_202_ACCEPTED)
+
+
+class RunStopApi(ProjectAPIView):
+    @extend_schema(request=None, responses={202: RunDetailOutput}, summary="Stop a run")
+    def post(self, request, run_id):
+        run = run_get(project=self.project, run_id=run_id)
+        try:
+            run = run_stop(run=run)
+        except IllegalTransition as exc:
+            raise Conflict(str(exc)) from None
+        return Response(RunDetailOutput(run).data, status=status.HTTP_202_ACCEPTED)
+
+
+class MetricOutput(serializers.Serializer):
+    step = serializers.IntegerField()
+    name = serializers.CharField()
+    value = serializers.FloatField()
+    created_at = serializers.DateTimeField()
+
+
+class RunMetricsApi(ProjectAPIView):
+    @extend_schema(
+        parameters=[
+            OpenApiParameter("name", str, description="Only this metric, e.g. rollout/reward."),
+            OpenApiParameter("since_step", int, description="Only points after this step."),
+        ],
+        responses=MetricOutput(many=True),
+        summary="A run's metric points, oldest first",
+    )
+    def get(self, request, run_id):
+        run = run_get(project=self.project, run_id=run_id)
+        since = request.query_params.get("since_step")
+        if since is not None:
+            try:
+                since = int(since)
+            except ValueError:
+                raise serializers.ValidationError(
+                    {"since_step": ["Must be a whole number."]}
+                ) from None
+        points = metric_list(
+            run=run, name=request.query_params.get("name") or None, since_step=since
+        )
+        return self.paginate(points, MetricOutput)
+
+
+class CheckpointOutput(serializers.Serializer):
+    version = serializers.IntegerField()
+    step = serializers.IntegerField()
+    path = serializers.CharField()
+    size_bytes = serializers.IntegerField()
+    created_at = serializers.DateTimeField()
+
+
+class RunCheckpointsApi(ProjectAPIView):
+    @extend_schema(
+        responses=CheckpointOutput(many=True), summary="A run's checkpoints, newest first"
+    )
+    def get(self, request, run_id):
+        run = run_get(project=self.project, run_id=run_id)
+        return self.paginate(checkpoint_list(run=run), CheckpointOutput)

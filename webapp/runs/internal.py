@@ -1,0 +1,237 @@
+"""The internal API a run's Ray job talks to: ``/internal/v1/runs/<run_id>/...``.
+
+Authenticated with the run's per-attempt job secret (``Authorization: Bearer
+steep-job-...``); project keys are never accepted here. Views parse, call one
+service from ``webapp.runs.jobs``, and answer JSON.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+from collections.abc import Callable
+from functools import lru_cache
+
+from django.conf import settings
+from django.http import FileResponse, HttpRequest, JsonResponse
+from django.views.decorators.csrf import csrf_exempt
+
+from webapp.accounts.auth import bearer_token
+from webapp.runs import jobs
+from webapp.runs.models import Run
+from webapp.runs.services import IllegalTransition
+
+
+class BadRequest(Exception):
+    pass
+
+
+def _error(status: int, message: str) -> JsonResponse:
+    return JsonResponse(
+        {"error": {"message": message, "code": "internal_api_error", "fields": {}}}, status=status
+    )
+
+
+def _body(request: HttpRequest) -> dict:
+    try:
+        data = json.loads(request.body or b"{}")
+    except ValueError as exc:
+        raise BadRequest(f"invalid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise BadRequest("the body must be a JSON object")
+    return data
+
+
+def _int(data: dict, name: str, default: int | None = None) -> int:
+    value = data.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadRequest(f"'{name}' must be an integer")
+    return value
+
+
+def _str_list(data: dict, name: str) -> list[str]:
+    value = data.get(name, [])
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise BadRequest(f"'{name}' must be a list of strings")
+    return value
+
+
+@lru_cache(maxsize=8)
+def _networks(cidrs: tuple[str, ...]) -> tuple:
+    return tuple(ipaddress.ip_network(cidr, strict=False) for cidr in cidrs)
+
+
+def _network_allowed(request: HttpRequest) -> bool:
+    """``INTERNAL_API_ALLOWED_CIDRS`` (empty: any network) holds the caller's address."""
+    if not settings.INTERNAL_API_ALLOWED_CIDRS:
+        return True
+    try:
+        address = ipaddress.ip_address(request.META.get("REMOTE_ADDR", ""))
+    except ValueError:
+        return False
+    networks = _networks(tuple(settings.INTERNAL_API_ALLOWED_CIDRS))
+    return any(address in network for network in networks)
+
+
+def internal(method: str):
+    def wrap(view: Callable):
+        @csrf_exempt
+        def handler(request: HttpRequest, run_id: str):
+            if not _network_allowed(request):
+                return _error(403, "the internal API is not reachable from this network")
+            if request.method != method:
+                return _error(405, f"use {method}")
+            run = jobs.job_authenticate(
+                run_id=run_id, token=bearer_token(request.headers.get("Authorization", ""))
+            )
+            if run is None:
+                return _error(401, "invalid job secret for this run")
+            try:
+                return view(request, run)
+            except BadRequest as exc:
+                return _error(400, str(exc))
+            except IllegalTransition as exc:
+                return _error(409, str(exc))
+            except (KeyError, TypeError, ValueError) as exc:
+                return _error(400, f"malformed report: {exc!r}")
+
+        return handler
+
+    return wrap
+
+
+@internal("GET")
+def config(request, run: Run):
+    checkpoint = run.checkpoints.order_by("-version").first()
+    return JsonResponse(
+        {
+            "run_id": str(run.id),
+            "name": run.name,
+            "status": run.status,
+            "config": run.config,
+            "step": run.step,
+            "weight_version": run.weight_version,
+            "attempt": run.job_attempt,
+            "data_dir": str(settings.DATA_DIR / "runs" / str(run.id)),
+            "dataset": None
+            if run.dataset_id is None
+            else {"id": str(run.dataset_id), "rows": run.dataset.row_count},
+            "latest_checkpoint": None
+            if checkpoint is None
+            else {"version": checkpoint.version, "step": checkpoint.step, "path": checkpoint.path},
+        }
+    )
+
+
+@internal("GET")
+def dataset(request, run: Run):
+    if run.dataset is None:
+        return _error(404, "this run has no dataset")
+    return FileResponse(open(run.dataset.path, "rb"), content_type="application/x-ndjson")
+
+
+@internal("POST")
+def status(request, run: Run):
+    data = _body(request)
+    target = data.get("status")
+    if target not in {
+        Run.Status.RUNNING,
+        Run.Status.COMPLETED,
+        Run.Status.FAILED,
+        Run.Status.STOPPED,
+    }:
+        raise BadRequest("'status' must be running, completed, failed or stopped")
+    run = jobs.job_report_status(
+        run=run, status=target, message=str(data.get("message", "")), error=data.get("error")
+    )
+    return JsonResponse({"status": run.status})
+
+
+@internal("POST")
+def servers(request, run: Run):
+    data = _body(request)
+    url = data.get("url")
+    if not isinstance(url, str) or not url.startswith("http"):
+        raise BadRequest("'url' must be an http(s) URL")
+    if data.get("action", "register") == "unregister":
+        jobs.job_unregister_server(run=run, url=url)
+    else:
+        jobs.job_register_server(run=run, url=url, backend=str(data.get("backend", "torch")))
+    return JsonResponse({"ok": True})
+
+
+@internal("POST")
+def metrics(request, run: Run):
+    data = _body(request)
+    values = data.get("metrics")
+    if not isinstance(values, dict):
+        raise BadRequest("'metrics' must be an object of name → number")
+    stored = jobs.job_report_metrics(
+        run=run,
+        step=_int(data, "step"),
+        version=_int(data, "version", run.weight_version),
+        metrics=values,
+    )
+    return JsonResponse({"stored": stored})
+
+
+@internal("POST")
+def version(request, run: Run):
+    jobs.job_report_version(run=run, version=_int(_body(request), "version"))
+    return JsonResponse({"ok": True})
+
+
+@internal("POST")
+def checkpoints(request, run: Run):
+    data = _body(request)
+    checkpoint = jobs.job_report_checkpoint(
+        run=run,
+        version=_int(data, "version"),
+        step=_int(data, "step"),
+        path=str(data["path"]),
+        size_bytes=_int(data, "size_bytes", 0),
+    )
+    return JsonResponse({"version": checkpoint.version})
+
+
+@internal("POST")
+def claim(request, run: Run):
+    limit = _int(_body(request), "limit", 1)
+    if not 1 <= limit <= 10_000:
+        raise BadRequest("'limit' must be between 1 and 10000")
+    return JsonResponse({"sessions": jobs.job_claim_trajectories(run=run, limit=limit)})
+
+
+@internal("POST")
+def trained(request, run: Run):
+    data = _body(request)
+    jobs.job_mark_trained(
+        run=run,
+        version=_int(data, "version"),
+        trained=_str_list(data, "trained"),
+        dropped=_str_list(data, "dropped"),
+    )
+    return JsonResponse({"ok": True})
+
+
+@internal("POST")
+def release(request, run: Run):
+    data = _body(request)
+    ids = _str_list(data, "sessions") if "sessions" in data else None
+    return JsonResponse({"released": jobs.job_release(run=run, session_ids=ids)})
+
+
+@internal("POST")
+def episodes(request, run: Run):
+    data = _body(request)
+    items = data.get("episodes")
+    if not isinstance(items, list):
+        raise BadRequest("'episodes' must be a list")
+    return JsonResponse({"sessions": jobs.job_submit_episodes(run=run, episodes=items)}, status=201)
+
+
+@internal("POST")
+def events(request, run: Run):
+    data = _body(request)
+    jobs.job_event(run=run, kind=str(data.get("kind", "job")), message=str(data.get("message", "")))
+    return JsonResponse({"ok": True})

@@ -1,0 +1,21 @@
+from django.urls import path
+
+from webapp.runs import internal
+
+urlpatterns = [
+    path(f"runs/<str:run_id>/{name}", getattr(internal, name), name=f"internal-{name}")
+    for name in (
+        "config",
+        "dataset",
+        "status",
+        "servers",
+        "metrics",
+        "version",
+        "checkpoints",
+        "claim",
+        "trained",
+        "release",
+        "episodes",
+        "events",
+    )
+]

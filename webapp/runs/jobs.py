@@ -1,0 +1,219 @@
+"""What a run's Ray job reports through the internal API: status, servers, metrics,
+checkpoints, trajectories. The job never touches the database itself."""
+
+from __future__ import annotations
+
+import math
+import uuid
+
+from django.db import transaction
+from django.utils import timezone
+
+from webapp.accounts.keys import generate_key, hash_key
+from webapp.gateway.models import Interaction, Session
+from webapp.gateway.selectors import session_trajectories, trajectories_claim
+from webapp.gateway.services import inference_server_register, inference_server_unregister
+from webapp.runs.events import publish_run_event
+from webapp.runs.models import Checkpoint, MetricPoint, Run, RunEvent
+from webapp.runs.serializers import metrics_event, status_event
+from webapp.runs.services import IllegalTransition, run_transition
+
+S = Run.Status
+T = Session.Trajectory
+JOB_SECRET_PREFIX = "steep-job-"
+
+
+def job_secret_issue(*, run: Run) -> str:
+    """A fresh secret for a new attempt of the run's job; the previous attempt's stops working."""
+    secret = generate_key(JOB_SECRET_PREFIX)
+    Run.objects.filter(pk=run.pk).update(
+        job_secret_hash=hash_key(secret), job_attempt=run.job_attempt + 1
+    )
+    run.refresh_from_db(fields=["job_secret_hash", "job_attempt"])
+    return secret
+
+
+def job_authenticate(*, run_id, token: str | None) -> Run | None:
+    if not token or not token.startswith(JOB_SECRET_PREFIX):
+        return None
+    try:
+        run_uuid = uuid.UUID(str(run_id))
+    except ValueError:
+        return None
+    return (
+        Run.objects.filter(pk=run_uuid, job_secret_hash=hash_key(token))
+        .exclude(job_secret_hash="")
+        .first()
+    )
+
+
+def job_report_status(*, run: Run, status: str, message: str = "", error: str | None = None) -> Run:
+    """Move the run as its job says; repeating the current status is a no-op."""
+    run.refresh_from_db()
+    if run.status == status:
+        return run
+    if status == S.COMPLETED and run.status == S.STARTING:
+        run = run_transition(run=run, to=S.RUNNING, message="Job reported completion.")
+    if status == S.STOPPED and run.status in (S.STARTING, S.RUNNING):
+        # Stopped from outside Steep (e.g. Ray's dashboard): record it as a stop.
+        run = run_transition(run=run, to=S.STOPPING, message="The job was stopped outside Steep.")
+    return run_transition(run=run, to=status, message=message, error=error)
+
+
+def job_register_server(*, run: Run, url: str, backend: str) -> None:
+    inference_server_register(run=run, url=url, backend=backend)
+    RunEvent.objects.create(
+        run=run, kind="server", message=f"{backend} inference server up at {url}."
+    )
+    run.refresh_from_db()
+    if run.status == S.STARTING:
+        run_transition(run=run, to=S.RUNNING, message="First inference server is healthy.")
+
+
+def job_unregister_server(*, run: Run, url: str) -> None:
+    inference_server_unregister(run=run, url=url)
+
+
+def job_report_metrics(*, run: Run, step: int, version: int, metrics: dict[str, float]) -> int:
+    """Store one step's metrics (idempotent per name and step) and push them to the dashboard."""
+    points = [
+        MetricPoint(run=run, step=step, name=str(name)[:100], value=float(value))
+        for name, value in metrics.items()
+        if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    ]
+    with transaction.atomic():
+        MetricPoint.objects.bulk_create(
+            points,
+            update_conflicts=True,
+            unique_fields=["run", "name", "step"],
+            update_fields=["value"],
+        )
+        locked = Run.objects.select_for_update().get(pk=run.pk)
+        locked.step = max(locked.step, step)
+        locked.weight_version = max(locked.weight_version, version)
+        locked.save(update_fields=["step", "weight_version", "updated_at"])
+    transaction.on_commit(
+        lambda: publish_run_event(
+            run.id, metrics_event(run, points) | {"step": step, "weight_version": version}
+        )
+    )
+    return len(points)
+
+
+def job_report_version(*, run: Run, version: int) -> None:
+    """New weights are live in the inference servers: the gateway's staleness budget grows."""
+    with transaction.atomic():
+        locked = Run.objects.select_for_update().get(pk=run.pk)
+        if version > locked.weight_version:
+            locked.weight_version = version
+            locked.save(update_fields=["weight_version", "updated_at"])
+    run.refresh_from_db()
+    publish_run_event(run.id, status_event(run))
+
+
+def job_report_checkpoint(
+    *, run: Run, version: int, step: int, path: str, size_bytes: int
+) -> Checkpoint:
+    checkpoint, _ = Checkpoint.objects.update_or_create(
+        run=run, version=version, defaults={"step": step, "path": path, "size_bytes": size_bytes}
+    )
+    RunEvent.objects.create(
+        run=run, kind="checkpoint", message=f"Saved version {version} at step {step}."
+    )
+    return checkpoint
+
+
+def job_claim_trajectories(*, run: Run, limit: int) -> list[dict]:
+    out = []
+    for session in trajectories_claim(run=run, limit=limit):
+        trajectories = session_trajectories(session)
+        out.append(
+            {"session_id": str(session.id), "trajectories": [t.to_dict() for t in trajectories]}
+        )
+    return out
+
+
+def job_mark_trained(*, run: Run, version: int, trained: list[str], dropped: list[str]) -> None:
+    Session.objects.filter(run=run, pk__in=trained, trajectory=T.CLAIMED).update(
+        trajectory=T.TRAINED, trained_version=version
+    )
+    Session.objects.filter(run=run, pk__in=dropped, trajectory=T.CLAIMED).update(
+        trajectory=T.DROPPED, trained_version=version
+    )
+
+
+def job_release(*, run: Run, session_ids: list[str] | None = None) -> int:
+    """Claimed but untrained sessions go back to ready (all of them when no ids: a restarted job)."""
+    claimed = Session.objects.filter(run=run, trajectory=T.CLAIMED)
+    if session_ids is not None:
+        claimed = claimed.filter(pk__in=session_ids)
+    return claimed.update(trajectory=T.READY, claimed_at=None)
+
+
+def job_submit_episodes(*, run: Run, episodes: list[dict]) -> list[str]:
+    """Record dataset-mode episodes exactly as gateway sessions: ended, rewarded, ready to train.
+
+    Each episode: ``input_ids``, ``output_ids``, ``logprobs``, ``versions``, ``reward``,
+    ``finish_reason``, ``messages``, ``text``, optional ``group_id``, ``task_id``, ``metadata``.
+    """
+    now = timezone.now()
+    ids = []
+    with transaction.atomic():
+        for episode in episodes:
+            session = Session.objects.create(
+                project_id=run.project_id,
+                run=run,
+                one_turn=True,
+                task_id=str(episode.get("task_id", ""))[:200],
+                metadata={
+                    "group_id": episode.get("group_id", ""),
+                    **(episode.get("metadata") or {}),
+                },
+                status=Session.Status.ENDED,
+                trajectory=T.READY,
+                admitted_version=min(episode["versions"], default=0),
+                interaction_count=1,
+                ended_at=now,
+                last_activity_at=now,
+            )
+            output = {
+                "output_ids": episode["output_ids"],
+                "logprobs": episode["logprobs"],
+                "versions": episode["versions"],
+                "finish_reason": episode.get("finish_reason", "stop"),
+                "text": episode.get("text", ""),
+            }
+            response = {
+                "id": f"rollout-{session.id.hex}",
+                "object": "chat.completion",
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": episode.get("text", "")},
+                        "finish_reason": output["finish_reason"],
+                    }
+                ],
+            }
+            Interaction.objects.create(
+                id=response["id"],
+                session=session,
+                turn=0,
+                request_hash="",
+                messages=episode.get("messages") or [],
+                sampling=episode.get("sampling") or {},
+                input_ids=episode["input_ids"],
+                outputs=[output],
+                response=response,
+                reward=float(episode["reward"]),
+                rewarded_at=now,
+                latency_ms=float(episode.get("latency_ms", 0.0)),
+            )
+            ids.append(str(session.id))
+    return ids
+
+
+def job_event(*, run: Run, kind: str, message: str) -> None:
+    RunEvent.objects.create(run=run, kind=kind[:40], message=message)
+
+
+__all__ = [name for name in globals() if name.startswith("job_")] + ["IllegalTransition"]

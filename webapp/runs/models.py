@@ -1,0 +1,117 @@
+from __future__ import annotations
+
+import uuid
+
+from django.db import models
+from django.utils import timezone
+
+
+class Run(models.Model):
+    """A training run. Its settings are a validated ``rl_core.config.RunConfig`` stored in ``config``."""
+
+    class Status(models.TextChoices):
+        DRAFT = "draft"
+        QUEUED = "queued"
+        STARTING = "starting"
+        RUNNING = "running"
+        STOPPING = "stopping"
+        STOPPED = "stopped"
+        COMPLETED = "completed"
+        FAILED = "failed"
+
+    class Mode(models.TextChoices):
+        ONLINE = "online"
+        DATASET = "dataset"
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    project = models.ForeignKey("accounts.Project", on_delete=models.CASCADE, related_name="runs")
+    name = models.CharField(max_length=200)
+    mode = models.CharField(max_length=10, choices=Mode.choices)
+    base_model = models.CharField(max_length=500)
+    dataset = models.ForeignKey(
+        "datasets.Dataset", null=True, blank=True, on_delete=models.PROTECT, related_name="runs"
+    )
+    config = models.JSONField(default=dict)
+    status = models.CharField(
+        max_length=10, choices=Status.choices, default=Status.DRAFT, db_index=True
+    )
+    step = models.PositiveIntegerField(default=0)
+    weight_version = models.PositiveIntegerField(default=0)
+    error = models.TextField(blank=True)
+    # The Ray job executing the run. Its secret (hashed) authenticates the internal API;
+    # a new one is issued at every launch, so a previous attempt's job is locked out.
+    job_id = models.CharField(max_length=200, blank=True)
+    job_attempt = models.PositiveIntegerField(default=0)
+    job_secret_hash = models.CharField(max_length=64, blank=True)
+    job_log_tail = models.TextField(blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+    updated_at = models.DateTimeField(auto_now=True)
+    queued_at = models.DateTimeField(null=True, blank=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def is_active(self) -> bool:
+        return self.status in {
+            self.Status.QUEUED,
+            self.Status.STARTING,
+            self.Status.RUNNING,
+            self.Status.STOPPING,
+        }
+
+
+class RunEvent(models.Model):
+    """A line in a run's history: transitions, launches, errors."""
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="events")
+    created_at = models.DateTimeField(default=timezone.now)
+    kind = models.CharField(max_length=40)
+    message = models.TextField(blank=True)
+
+    class Meta:
+        ordering = ["created_at", "id"]
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.message}"
+
+
+class MetricPoint(models.Model):
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="metrics")
+    step = models.PositiveIntegerField()
+    name = models.CharField(max_length=100)
+    value = models.FloatField()
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["step", "name"]
+        indexes = [models.Index(fields=["run", "name", "step"])]
+        constraints = [
+            models.UniqueConstraint(fields=["run", "name", "step"], name="unique_metric_point")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.name}@{self.step}={self.value}"
+
+
+class Checkpoint(models.Model):
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="checkpoints")
+    version = models.PositiveIntegerField()
+    step = models.PositiveIntegerField(default=0)
+    path = models.CharField(max_length=500)
+    size_bytes = models.PositiveBigIntegerField(default=0)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["-version"]
+        constraints = [
+            models.UniqueConstraint(fields=["run", "version"], name="unique_checkpoint_version")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.run} v{self.version}"

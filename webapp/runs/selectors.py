@@ -1,0 +1,48 @@
+from __future__ import annotations
+
+from django.db.models import QuerySet
+from django.http import Http404
+
+from webapp.accounts.models import Project
+from webapp.accounts.selectors import parse_uuid
+from webapp.runs.models import Checkpoint, MetricPoint, Run
+
+
+def run_list(*, project: Project, status: str | None = None) -> QuerySet[Run]:
+    runs = Run.objects.filter(project=project).select_related("dataset")
+    if status:
+        runs = runs.filter(status=status)
+    return runs.order_by("-created_at")
+
+
+def run_get(*, project: Project, run_id) -> Run:
+    run = (
+        Run.objects.filter(project=project, pk=parse_uuid(run_id)).select_related("dataset").first()
+    )
+    if run is None:
+        raise Http404("Run not found.")
+    return run
+
+
+def metric_list(
+    *, run: Run, name: str | None = None, since_step: int | None = None
+) -> QuerySet[MetricPoint]:
+    points = MetricPoint.objects.filter(run=run)
+    if name:
+        points = points.filter(name=name)
+    if since_step is not None:
+        points = points.filter(step__gt=since_step)
+    return points.order_by("step", "name")
+
+
+def metric_names(*, run: Run) -> list[str]:
+    return list(
+        MetricPoint.objects.filter(run=run)
+        .values_list("name", flat=True)
+        .distinct()
+        .order_by("name")
+    )
+
+
+def checkpoint_list(*, run: Run) -> QuerySet[Checkpoint]:
+    return Checkpoint.objects.filter(run=run).order_by("-version")

@@ -1,0 +1,139 @@
+"""Runs: creation and the one state machine every status change goes through."""
+
+from __future__ import annotations
+
+from django.db import transaction
+from django.utils import timezone
+
+from rl_core.config import RunConfig
+from webapp.accounts.models import Project
+from webapp.datasets.models import Dataset
+from webapp.runs.events import publish_run_event
+from webapp.runs.models import Run, RunEvent
+from webapp.runs.serializers import status_event
+
+S = Run.Status
+
+# Legal moves. stopped/failed runs may be queued again (they resume from their last checkpoint).
+TRANSITIONS: dict[str, set[str]] = {
+    S.DRAFT: {S.QUEUED},
+    S.QUEUED: {S.STARTING, S.STOPPING, S.STOPPED, S.FAILED},
+    S.STARTING: {S.RUNNING, S.STOPPING, S.FAILED},
+    S.RUNNING: {S.STOPPING, S.COMPLETED, S.FAILED},
+    S.STOPPING: {S.STOPPED, S.FAILED},
+    S.STOPPED: {S.QUEUED},
+    S.FAILED: {S.QUEUED},
+    S.COMPLETED: set(),
+}
+
+
+class IllegalTransition(Exception):
+    def __init__(self, run: Run, current: str, target: str):
+        allowed = ", ".join(sorted(TRANSITIONS[current])) or "nothing (final state)"
+        super().__init__(
+            f"Run '{run.name}' is {current}; it cannot become {target} (from {current} it can become: {allowed})."
+        )
+        self.current, self.target = current, target
+
+
+class RunInvalid(Exception):
+    def __init__(self, errors: dict[str, list[str]]):
+        self.errors = errors
+        super().__init__("; ".join(f"{k}: {' '.join(v)}" for k, v in errors.items()))
+
+
+def run_create(
+    *, project: Project, name: str, config: RunConfig, dataset: Dataset | None = None
+) -> Run:
+    """Create a draft run from an already validated config."""
+    if config.mode == Run.Mode.DATASET and dataset is None:
+        raise RunInvalid(
+            {"dataset": ["Dataset mode needs a dataset: upload one and pass its id as 'dataset'."]}
+        )
+    if dataset is not None and dataset.project_id != project.id:
+        raise RunInvalid({"dataset": ["Dataset not found."]})
+    run = Run.objects.create(
+        project=project,
+        name=name,
+        mode=config.mode,
+        base_model=config.base_model,
+        dataset=dataset,
+        config=config.to_dict(),
+    )
+    RunEvent.objects.create(
+        run=run,
+        kind="created",
+        message=f"Run created in {config.mode} mode on {config.base_model}.",
+    )
+    return run
+
+
+def run_transition(*, run: Run, to: str, message: str = "", error: str | None = None) -> Run:
+    """Move ``run`` to status ``to`` or raise IllegalTransition. Locks the row, so concurrent moves serialise."""
+    with transaction.atomic():
+        locked = Run.objects.select_for_update().get(pk=run.pk)
+        if to not in TRANSITIONS[locked.status]:
+            raise IllegalTransition(locked, locked.status, to)
+        now = timezone.now()
+        fields = ["status", "updated_at"]
+        locked.status = to
+        if to == S.QUEUED:
+            locked.queued_at, locked.finished_at, locked.error = now, None, ""
+            fields += ["queued_at", "finished_at", "error"]
+        elif to == S.RUNNING:
+            locked.started_at = now
+            fields.append("started_at")
+        elif to in {S.STOPPED, S.COMPLETED, S.FAILED}:
+            locked.finished_at = now
+            fields.append("finished_at")
+        if error is not None:
+            locked.error = error
+            fields.append("error")
+        locked.save(update_fields=fields)
+        RunEvent.objects.create(run=locked, kind=f"status:{to}", message=message or error or "")
+        event = status_event(locked)
+        transaction.on_commit(lambda: publish_run_event(locked.id, event))
+    run.refresh_from_db()
+    return run
+
+
+def run_start(*, run: Run) -> Run:
+    """Queue the run and hand it to a worker, once the transaction has committed."""
+    from workers.tasks import run_launch
+
+    run = run_transition(run=run, to=S.QUEUED, message="Start requested.")
+    run_id = str(run.id)
+    transaction.on_commit(lambda: run_launch.delay(run_id))
+    return run
+
+
+def run_stop(*, run: Run) -> Run:
+    from workers.tasks import run_shutdown
+
+    run = run_transition(run=run, to=S.STOPPING, message="Stop requested.")
+    run_id = str(run.id)
+    transaction.on_commit(lambda: run_shutdown.delay(run_id))
+    return run
+
+
+def run_delete(*, run: Run) -> None:
+    if run.is_active:
+        raise IllegalTransition(run, run.status, "deleted")
+    run.delete()
+
+
+def run_mark_running(*, run: Run, message: str = "") -> Run:
+    """Walk a run to ``running`` along legal transitions (used when servers are attached by hand)."""
+    path = {
+        S.DRAFT: [S.QUEUED, S.STARTING, S.RUNNING],
+        S.STOPPED: [S.QUEUED, S.STARTING, S.RUNNING],
+        S.FAILED: [S.QUEUED, S.STARTING, S.RUNNING],
+        S.QUEUED: [S.STARTING, S.RUNNING],
+        S.STARTING: [S.RUNNING],
+        S.RUNNING: [],
+    }.get(run.status)
+    if path is None:
+        raise IllegalTransition(run, run.status, S.RUNNING)
+    for status in path:
+        run = run_transition(run=run, to=status, message=message)
+    return run

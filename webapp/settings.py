@@ -1,0 +1,287 @@
+"""Steep settings. Everything comes from the environment (see deploy/.env.example).
+
+No DATABASE_URL → SQLite in DATA_DIR; no REDIS_URL → in-memory channel layer and an
+embedded file-system Celery broker under DATA_DIR that works across processes.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from django.core.exceptions import ImproperlyConfigured
+
+from webapp.env import database_from_url, envbool, envint, envlist, envsecret, envstr
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+DEBUG = envbool("DEBUG", True)
+DATA_DIR = Path(envstr("DATA_DIR", str(BASE_DIR / "data"))).resolve()
+DATA_DIR.mkdir(parents=True, exist_ok=True)
+
+SECRET_KEY = envsecret("SECRET_KEY")
+if not SECRET_KEY:
+    if not DEBUG:
+        raise ImproperlyConfigured(
+            "SECRET_KEY is required when DEBUG is off; set SECRET_KEY (or SECRET_KEY_FILE) to a long random string."
+        )
+    SECRET_KEY = "steep-insecure-development-key-set-SECRET_KEY-in-production"
+
+SITE_URL = envstr("SITE_URL", "http://127.0.0.1:8000").rstrip("/")
+ALLOWED_HOSTS = envlist(
+    "ALLOWED_HOSTS", ["127.0.0.1", "localhost", "[::1]", "testserver"] if DEBUG else []
+)
+if not DEBUG and not ALLOWED_HOSTS:
+    raise ImproperlyConfigured(
+        "ALLOWED_HOSTS is required when DEBUG is off; set it to the comma-separated host names "
+        "Steep is reached at, e.g. ALLOWED_HOSTS=steep.example.com (the host of SITE_URL)."
+    )
+CSRF_TRUSTED_ORIGINS = envlist("CSRF_TRUSTED_ORIGINS", []) or [SITE_URL]
+
+# Behind a reverse proxy that terminates TLS and sets X-Forwarded-Proto: secure cookies,
+# HTTPS redirects and HSTS. Probes (/healthz, /readyz) never reach the redirect (see
+# webapp.health) and the internal API is reached over the cluster network by Ray jobs.
+BEHIND_TLS_PROXY = envbool("BEHIND_TLS_PROXY", False)
+if BEHIND_TLS_PROXY:
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+    SECURE_SSL_REDIRECT = True
+    SECURE_REDIRECT_EXEMPT = [r"^healthz/?$", r"^readyz/?$", r"^internal/"]
+    SESSION_COOKIE_SECURE = True
+    CSRF_COOKIE_SECURE = True
+    SECURE_HSTS_SECONDS = envint("SECURE_HSTS_SECONDS", 31_536_000, minimum=0)
+    SECURE_HSTS_INCLUDE_SUBDOMAINS = envbool("SECURE_HSTS_INCLUDE_SUBDOMAINS", True)
+    SECURE_HSTS_PRELOAD = envbool("SECURE_HSTS_PRELOAD", False)
+# Joining the browsers' HSTS preload list is the operator's own decision, made elsewhere.
+SILENCED_SYSTEM_CHECKS = ["security.W021"]
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "drf_spectacular",
+    "channels",
+    "django_htmx",
+    "webapp.accounts",
+    "webapp.datasets",
+    "webapp.runs",
+    "webapp.agents",
+    "webapp.gateway",
+    "webapp.dashboard",
+]
+
+MIDDLEWARE = [
+    "webapp.observability.request_id_middleware",
+    "webapp.health.health_middleware",
+    "webapp.middleware.BodySizeLimitMiddleware",
+    "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "django_htmx.middleware.HtmxMiddleware",
+]
+
+ROOT_URLCONF = "webapp.urls"
+ASGI_APPLICATION = "webapp.asgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+                "webapp.dashboard.context.site",
+            ],
+        },
+    },
+]
+
+DATABASE_URL = envsecret("DATABASE_URL")
+if DATABASE_URL:
+    DATABASES = {"default": database_from_url(DATABASE_URL)}
+else:
+    DATABASES = {
+        "default": {
+            "ENGINE": "django.db.backends.sqlite3",
+            "NAME": DATA_DIR / "steep.sqlite3",
+            "OPTIONS": {
+                "timeout": 30,
+                "transaction_mode": "IMMEDIATE",
+                "init_command": "PRAGMA journal_mode=WAL;",
+            },
+        }
+    }
+if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
+    # A file (not :memory:) so that worker processes started by tests see the test database.
+    DATABASES["default"]["TEST"] = {"NAME": str(DATA_DIR / "test.sqlite3")}
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+AUTH_PASSWORD_VALIDATORS = [
+    {
+        "NAME": "django.contrib.auth.password_validation.MinimumLengthValidator",
+        "OPTIONS": {"min_length": 8},
+    },
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+]
+LOGIN_URL = "dashboard:login"
+LOGIN_REDIRECT_URL = "dashboard:projects"
+LOGOUT_REDIRECT_URL = "dashboard:login"
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = envstr("TIME_ZONE", "UTC")
+USE_I18N = False
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATICFILES_DIRS = [BASE_DIR / "static"]
+STATIC_ROOT = DATA_DIR / "staticfiles"
+STATIC_ROOT.mkdir(exist_ok=True)  # whitenoise warns on every start when it is missing
+STORAGES = {
+    "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
+    "staticfiles": {"BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"},
+}
+WHITENOISE_USE_FINDERS = True
+
+# Request bodies. Datasets have their own, larger limit; everything else is JSON.
+MAX_REQUEST_BYTES = envint("MAX_REQUEST_BYTES", 16 * 1024 * 1024, minimum=1024)
+DATASET_MAX_BYTES = envint("DATASET_MAX_BYTES", 200 * 1024 * 1024, minimum=1024)
+DATA_UPLOAD_MAX_MEMORY_SIZE = MAX_REQUEST_BYTES
+FILE_UPLOAD_MAX_MEMORY_SIZE = 2 * 1024 * 1024
+
+# Gateway
+SESSION_IDLE_TIMEOUT_S = envint("SESSION_IDLE_TIMEOUT_S", 1800, minimum=1)
+GATEWAY_RETRY_AFTER_S = envint("GATEWAY_RETRY_AFTER_S", 2, minimum=1)
+GATEWAY_MAX_NEW_TOKENS = envint("GATEWAY_MAX_NEW_TOKENS", 4096, minimum=1)
+
+# Per-key request rates (webapp.ratelimit): 0 = off. Over the limit: 429 + Retry-After.
+RATE_LIMIT_API_PER_MIN = envint("RATE_LIMIT_API_PER_MIN", 0, minimum=0)
+RATE_LIMIT_GATEWAY_PER_MIN = envint("RATE_LIMIT_GATEWAY_PER_MIN", 0, minimum=0)
+
+# Training jobs (Ray)
+RAY_ADDRESS = envstr("RAY_ADDRESS", "")
+RAY_LOCAL_DASHBOARD_PORT = envint("RAY_LOCAL_DASHBOARD_PORT", 8265, minimum=1)
+RAY_LOCAL_GCS_PORT = envint("RAY_LOCAL_GCS_PORT", 7379, minimum=1)
+RAY_NUM_CPUS = envint("RAY_NUM_CPUS", 0, minimum=0)
+# GPUs reserved for a run's job driver, which hosts the trainer: > 0 places it on a GPU node.
+RAY_JOB_NUM_GPUS = envint("RAY_JOB_NUM_GPUS", 0, minimum=0)
+# The URL a run's job uses to reach this web app's internal API (defaults to SITE_URL).
+INTERNAL_API_URL = envstr("INTERNAL_API_URL", "") or SITE_URL
+if INTERNAL_API_URL != SITE_URL and urlsplit(INTERNAL_API_URL).hostname:
+    ALLOWED_HOSTS.append(urlsplit(INTERNAL_API_URL).hostname)  # e.g. http://web:8000 in compose
+# Networks allowed to call /internal/ (empty: any; the per-run job secret is required anyway).
+INTERNAL_API_ALLOWED_CIDRS = envlist("INTERNAL_API_ALLOWED_CIDRS", [])
+for _cidr in INTERNAL_API_ALLOWED_CIDRS:
+    try:
+        ipaddress.ip_network(_cidr, strict=False)
+    except ValueError:
+        raise ImproperlyConfigured(
+            f"INTERNAL_API_ALLOWED_CIDRS: {_cidr!r} is not a network; use e.g. 10.0.0.0/8,172.16.0.0/12."
+        ) from None
+RUN_MAX_RESTARTS = envint("RUN_MAX_RESTARTS", 3, minimum=0)
+# torch threads per inference server / trainer process in a run's job.
+STEEP_TORCH_THREADS = envint("STEEP_TORCH_THREADS", 1, minimum=1)
+
+REDIS_URL = envsecret("REDIS_URL")
+if REDIS_URL:
+    CHANNEL_LAYERS = {
+        "default": {
+            "BACKEND": "channels_redis.core.RedisChannelLayer",
+            "CONFIG": {"hosts": [REDIS_URL]},
+        }
+    }
+    CELERY_BROKER_URL = REDIS_URL
+    CELERY_RESULT_BACKEND = REDIS_URL
+else:
+    CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+    _broker = DATA_DIR / "broker"
+    for _sub in ("queue", "processed", "control"):
+        (_broker / _sub).mkdir(parents=True, exist_ok=True)
+    # kombu's file-system transport: a real broker shared by every process on this machine.
+    CELERY_BROKER_URL = "filesystem://"
+    CELERY_BROKER_TRANSPORT_OPTIONS = {
+        "data_folder_in": str(_broker / "queue"),
+        "data_folder_out": str(_broker / "queue"),
+        "processed_folder": str(_broker / "processed"),
+        "control_folder": str(_broker / "control"),
+        "store_processed": False,
+    }
+    CELERY_RESULT_BACKEND = f"file://{DATA_DIR / 'broker' / 'results'}"
+    (_broker / "results").mkdir(parents=True, exist_ok=True)
+CELERY_TASK_SERIALIZER = "json"
+CELERY_ACCEPT_CONTENT = ["json"]
+CELERY_TASK_ACKS_LATE = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_TASK_ALWAYS_EAGER = envbool("CELERY_TASK_ALWAYS_EAGER", False)
+CELERY_BEAT_SCHEDULE = {
+    "expire-idle-sessions": {"task": "sessions.expire_idle", "schedule": 60.0},
+    "reconcile-runs": {"task": "runs.reconcile", "schedule": 15.0},
+}
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "webapp.accounts.auth.APIKeyAuthentication",
+        "rest_framework.authentication.SessionAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["webapp.accounts.auth.HasProject"],
+    "DEFAULT_THROTTLE_CLASSES": ["webapp.api.throttling.KeyRateThrottle"],
+    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+    "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
+    "DEFAULT_PAGINATION_CLASS": "webapp.api.pagination.Pagination",
+    "PAGE_SIZE": 50,
+    "EXCEPTION_HANDLER": "webapp.api.errors.exception_handler",
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "UNAUTHENTICATED_USER": "django.contrib.auth.models.AnonymousUser",
+}
+SPECTACULAR_SETTINGS = {
+    "TITLE": "Steep API",
+    "DESCRIPTION": "Projects, keys, datasets, runs and agents of a Steep deployment. Authenticate with `Authorization: Bearer sk-steep-...`.",
+    "VERSION": "1",
+    "SERVE_INCLUDE_SCHEMA": False,
+    "SCHEMA_PATH_PREFIX": "/api/v1",
+}
+
+# Logs: one line per record on stderr, each with the request id (webapp.observability).
+LOG_FORMAT = envstr("LOG_FORMAT", "plain").strip().lower()
+if LOG_FORMAT not in ("plain", "json"):
+    raise ImproperlyConfigured(f"LOG_FORMAT={LOG_FORMAT!r} is not a log format; use plain or json.")
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "filters": {"request_id": {"()": "webapp.observability.RequestIdFilter"}},
+    "formatters": {
+        "plain": {"format": "%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"},
+        "json": {"()": "webapp.observability.JsonFormatter"},
+    },
+    "handlers": {
+        "console": {
+            "class": "logging.StreamHandler",
+            "formatter": LOG_FORMAT,
+            "filters": ["request_id"],
+        }
+    },
+    "root": {"handlers": ["console"], "level": envstr("LOG_LEVEL", "INFO")},
+    "loggers": {
+        "django": {"handlers": ["console"], "level": "INFO", "propagate": False},
+        "django.db.backends": {"level": "WARNING"},
+    },
+}
+if LOG_FORMAT == "json":
+    # uvicorn's and Celery's own lines in the same format. uvicorn's access lines are replaced
+    # by Steep's own (steep.request, with the request id).
+    for _name in ("uvicorn", "uvicorn.error"):
+        LOGGING["loggers"][_name] = {"handlers": ["console"], "level": "INFO", "propagate": False}
+    LOGGING["loggers"]["uvicorn.access"] = {"handlers": [], "propagate": False}
+    CELERY_WORKER_HIJACK_ROOT_LOGGER = False

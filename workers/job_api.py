@@ -1,0 +1,157 @@
+"""The Ray job's side of the internal API: how a job reports to, and takes work from, the web app.
+
+No Django here (Ray jobs never import it): plain httpx against
+``{INTERNAL_API_URL}/internal/v1/runs/{run_id}/...`` with the per-attempt job secret.
+``WebReporter`` and ``WebSource`` implement ``rl_core.loop``'s ``Reporter`` and
+``TrajectorySource``; ``WebEpisodeSink`` records dataset-mode episodes exactly as
+the gateway records agent sessions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import httpx
+
+from rl_core.types import Trajectory
+
+logger = logging.getLogger(__name__)
+
+
+class InternalAPI:
+    def __init__(self, base_url: str, run_id: str, secret: str, *, timeout: float = 60.0):
+        self.prefix = f"{base_url.rstrip('/')}/internal/v1/runs/{run_id}"
+        self.http = httpx.AsyncClient(
+            headers={"Authorization": f"Bearer {secret}"}, timeout=timeout
+        )
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+    async def call(
+        self, method: str, name: str, body: dict | None = None, *, retries: int = 5
+    ) -> Any:
+        """One request, retried on transport errors and 5xx (the web app may be restarting)."""
+        delay = 0.5
+        for attempt in range(retries + 1):
+            try:
+                response = await self.http.request(method, f"{self.prefix}/{name}", json=body)
+            except httpx.TransportError:
+                if attempt == retries:
+                    raise
+            else:
+                if response.status_code < 500:
+                    response.raise_for_status()
+                    return (
+                        response.json()
+                        if response.headers.get("content-type", "").startswith("application/json")
+                        else response.content
+                    )
+                if attempt == retries:
+                    response.raise_for_status()
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 10.0)
+
+    async def config(self) -> dict:
+        return await self.call("GET", "config")
+
+    async def dataset_rows(self) -> list[dict]:
+        import json
+
+        raw = await self.call("GET", "dataset")
+        return [json.loads(line) for line in raw.decode().splitlines() if line.strip()]
+
+    async def status(self, status: str, message: str = "", error: str | None = None) -> str:
+        return (
+            await self.call(
+                "POST", "status", {"status": status, "message": message, "error": error}
+            )
+        )["status"]
+
+    async def register_server(self, url: str, backend: str) -> None:
+        await self.call("POST", "servers", {"url": url, "backend": backend})
+
+    async def unregister_server(self, url: str) -> None:
+        await self.call("POST", "servers", {"url": url, "action": "unregister"})
+
+    async def release(self) -> int:
+        return (await self.call("POST", "release", {}))["released"]
+
+
+class WebReporter:
+    """``rl_core.loop.Reporter`` over the internal API."""
+
+    def __init__(self, api: InternalAPI):
+        self.api = api
+
+    async def metrics(self, step: int, version: int, values: dict[str, float]) -> None:
+        await self.api.call(
+            "POST", "metrics", {"step": step, "version": version, "metrics": values}
+        )
+
+    async def version(self, v: int) -> None:
+        await self.api.call("POST", "version", {"version": v})
+
+    async def checkpoint(self, version: int, step: int, path: str, size_bytes: int) -> None:
+        await self.api.call(
+            "POST",
+            "checkpoints",
+            {"version": version, "step": step, "path": path, "size_bytes": size_bytes},
+        )
+
+    async def event(self, kind: str, message: str) -> None:
+        await self.api.call("POST", "events", {"kind": kind, "message": message})
+
+
+class WebSource:
+    """``rl_core.loop.TrajectorySource``: claims ready sessions (gateway or rollout driver) for training.
+
+    A session can yield several trajectories (turns rendered afresh start a new one);
+    its key is ``session_id#index`` and the session counts as trained when any of its
+    trajectories is trained.
+    """
+
+    def __init__(self, api: InternalAPI, *, poll_s: float = 0.5):
+        self.api = api
+        self.poll_s = poll_s
+        self.buffer: list[tuple[str, Trajectory]] = []
+        self.stopped = False
+
+    async def next_batch(self, n: int) -> list[tuple[str, Trajectory]]:
+        while len(self.buffer) < n and not self.stopped:
+            claimed = await self.api.call("POST", "claim", {"limit": n - len(self.buffer)})
+            for item in claimed["sessions"]:
+                for index, data in enumerate(item["trajectories"]):
+                    self.buffer.append(
+                        (f"{item['session_id']}#{index}", Trajectory.from_dict(data))
+                    )
+            if len(self.buffer) < n:
+                await asyncio.sleep(self.poll_s)
+        batch, self.buffer = self.buffer[:n], self.buffer[n:]
+        return batch
+
+    async def finished(self, trained: list[str], dropped: list[str], version: int) -> None:
+        trained_sessions = sorted({key.split("#")[0] for key in trained})
+        dropped_sessions = sorted({key.split("#")[0] for key in dropped} - set(trained_sessions))
+        await self.api.call(
+            "POST",
+            "trained",
+            {"version": version, "trained": trained_sessions, "dropped": dropped_sessions},
+        )
+
+    def stop(self) -> None:
+        self.stopped = True
+
+
+class WebEpisodeSink:
+    """The rollout driver's sink: record a finished group as ready sessions in the web app."""
+
+    def __init__(self, api: InternalAPI):
+        self.api = api
+
+    async def __call__(self, episodes: list) -> None:
+        await self.api.call(
+            "POST", "episodes", {"episodes": [episode.to_dict() for episode in episodes]}
+        )

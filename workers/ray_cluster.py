@@ -1,0 +1,195 @@
+"""The Ray cluster runs use: an existing one (``RAY_ADDRESS``) or a local head Steep starts and reuses.
+
+Used by the Celery worker (no torch here). Token authentication is configured
+deliberately: a local head gets a token kept in ``DATA_DIR/ray/auth_token`` and
+every client of it (this module, the job) uses it; for an external cluster set
+``RAY_AUTH_MODE=token`` and ``RAY_AUTH_TOKEN`` (or ``RAY_AUTH_TOKEN_PATH``) as that cluster requires.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+
+class RayUnavailable(RuntimeError):
+    pass
+
+
+@dataclass
+class RayCluster:
+    dashboard_url: str  # what the Jobs API talks to
+    local: bool
+
+
+def _ray_dir(data_dir: Path) -> Path:
+    path = data_dir / "ray"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _ray_temp_dir(data_dir: Path) -> Path:
+    # Ray puts AF_UNIX sockets under its temp dir, and their paths must stay under 107
+    # bytes: a deep DATA_DIR would break the head, so sessions live in a short path.
+    digest = hashlib.sha1(str(data_dir.resolve()).encode()).hexdigest()[:10]
+    return Path(tempfile.gettempdir()) / f"steep-ray-{digest}"
+
+
+def configure_local_auth(data_dir: Path) -> None:
+    """Point this process's Ray clients at the local head's token (created on first use)."""
+    token_path = _ray_dir(data_dir) / "auth_token"
+    if not token_path.exists():
+        token_path.write_text(secrets.token_hex(32))
+        token_path.chmod(0o600)
+    os.environ["RAY_AUTH_MODE"] = "token"
+    os.environ["RAY_AUTH_TOKEN_PATH"] = str(token_path)
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+
+def _jobs_client(url: str):
+    from ray.job_submission import JobSubmissionClient
+
+    return JobSubmissionClient(url)
+
+
+def _alive(url: str) -> bool:
+    try:
+        _jobs_client(url).list_jobs()
+    except Exception:
+        return False
+    return True
+
+
+def dashboard_url(address: str, *, dashboard_port: int = 8265) -> str:
+    """The Jobs API URL of the cluster named by ``RAY_ADDRESS``.
+
+    ``http(s)://host:port`` is used as given (the only form for a dashboard on another
+    port or behind a proxy, e.g. KubeRay's ``...-head-svc:8265``); the GCS address
+    ``host:6379``, the client address ``ray://host:10001`` or a bare ``host`` become
+    ``http://host:<dashboard_port>``; ``auto``/``localhost`` mean this machine.
+    """
+    if address.startswith(("http://", "https://")):
+        return address.rstrip("/")
+    host = urlsplit("//" + address.split("://", 1)[-1]).hostname or ""
+    if host in ("", "auto", "local", "localhost"):
+        host = "127.0.0.1"
+    if ":" in host:  # IPv6
+        host = f"[{host}]"
+    return f"http://{host}:{dashboard_port}"
+
+
+def ensure_cluster(
+    *,
+    data_dir: Path,
+    address: str = "",
+    num_cpus: int | None = None,
+    dashboard_port: int = 8265,
+    gcs_port: int = 7379,
+) -> RayCluster:
+    """The configured cluster, or a local head (started now if it is not already running)."""
+    if address:
+        url = dashboard_url(address, dashboard_port=dashboard_port)
+        if not _alive(url):
+            raise RayUnavailable(
+                f"The Ray cluster at {address} does not answer on its Jobs API ({url})."
+            )
+        return RayCluster(dashboard_url=url, local=False)
+
+    configure_local_auth(data_dir)
+    state = _ray_dir(data_dir) / "head.json"
+    if state.exists():
+        url = json.loads(state.read_text())["dashboard_url"]
+        if _alive(url):
+            return RayCluster(dashboard_url=url, local=True)
+    url = f"http://127.0.0.1:{dashboard_port}"
+    command = [
+        str(Path(sys.executable).with_name("ray")),
+        "start",
+        "--head",
+        "--node-ip-address",
+        "127.0.0.1",
+        "--port",
+        str(gcs_port),
+        "--dashboard-host",
+        "127.0.0.1",
+        "--dashboard-port",
+        str(dashboard_port),
+        "--num-cpus",
+        str(num_cpus or os.cpu_count() or 2),
+        "--disable-usage-stats",
+        "--temp-dir",
+        str(_ray_temp_dir(data_dir)),
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    if result.returncode != 0 and not _alive(url):
+        raise RayUnavailable(
+            f"Could not start a local Ray head: {result.stderr[-2000:] or result.stdout[-2000:]}"
+        )
+    deadline = time.monotonic() + 60
+    while not _alive(url):
+        if time.monotonic() > deadline:
+            raise RayUnavailable("The local Ray head started but its Jobs API never answered.")
+        time.sleep(0.5)
+    state.write_text(json.dumps({"dashboard_url": url}))
+    return RayCluster(dashboard_url=url, local=True)
+
+
+def stop_local_cluster(*, data_dir: Path) -> None:
+    configure_local_auth(data_dir)
+    subprocess.run(
+        [str(Path(sys.executable).with_name("ray")), "stop", "--force"],
+        capture_output=True,
+        timeout=60,
+    )
+    (_ray_dir(data_dir) / "head.json").unlink(missing_ok=True)
+
+
+def submit_job(
+    cluster: RayCluster,
+    *,
+    submission_id: str,
+    entrypoint: list[str],
+    env: dict[str, str],
+    num_gpus: float = 0,
+) -> str:
+    """Submit the job; ``num_gpus`` > 0 places its driver (the trainer) on a node with GPUs."""
+    import shlex
+
+    return _jobs_client(cluster.dashboard_url).submit_job(
+        entrypoint=" ".join(shlex.quote(part) for part in entrypoint),
+        submission_id=submission_id,
+        runtime_env={"env_vars": env},
+        entrypoint_num_gpus=num_gpus or None,
+    )
+
+
+def job_status(cluster: RayCluster, job_id: str) -> str:
+    """PENDING, RUNNING, STOPPED, SUCCEEDED, FAILED — or MISSING when the cluster has no such job."""
+    try:
+        return str(_jobs_client(cluster.dashboard_url).get_job_status(job_id).value)
+    except RuntimeError:
+        return "MISSING"
+
+
+def job_logs_tail(cluster: RayCluster, job_id: str, lines: int = 60) -> str:
+    try:
+        logs = _jobs_client(cluster.dashboard_url).get_job_logs(job_id)
+    except Exception as exc:  # the log tail is a courtesy; never fail because of it
+        return f"(logs unavailable: {exc})"
+    return "\n".join(logs.splitlines()[-lines:])
+
+
+def stop_job(cluster: RayCluster, job_id: str) -> None:
+    try:
+        _jobs_client(cluster.dashboard_url).stop_job(job_id)
+    except RuntimeError:
+        pass

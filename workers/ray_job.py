@@ -1,0 +1,189 @@
+"""A training run as a Ray job: ``python -m workers.ray_job --run-id ID --web-url URL``.
+
+Submitted by the Celery worker through Ray's Jobs API; the job secret arrives in
+``STEEP_JOB_SECRET``. It never imports Django: everything it knows and reports
+goes through the web app's internal API (``workers.job_api``).
+
+Phases: fetch config → release trajectories a previous attempt claimed → start
+the inference replicas (Ray actors) and register them (the run turns running) →
+trainer (resuming from the last checkpoint) → in dataset mode, the rollout
+driver → the training loop until max_steps or a stop request → final checkpoint
+and status → replicas down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import traceback
+from pathlib import Path
+
+import ray
+
+from rl_core.config import RunConfig
+from rl_core.inference.launch import choose_backend, free_port, make_inference_server
+from workers.job_api import InternalAPI, WebEpisodeSink, WebReporter, WebSource
+
+logger = logging.getLogger("steep.job")
+STOP_POLL_S = 2.0
+
+
+@ray.remote
+class InferenceReplica:
+    """One inference server (SGLang on a GPU node, the torch engine otherwise) owned by a Ray actor."""
+
+    def __init__(self, backend: str, model_path: str, env: dict[str, str]):
+        os.environ.update(env)
+        host = (
+            "127.0.0.1"
+            if backend == "torch" and env.get("STEEP_LOCAL_ONLY", "1") == "1"
+            else ray.util.get_node_ip_address()
+        )
+        self.server = make_inference_server(backend, model_path, host=host, port=free_port())
+        self.server.start()
+        self.server.wait_healthy(timeout=float(env.get("STEEP_SERVER_START_TIMEOUT", "600")))
+
+    def url(self) -> str:
+        return self.server.url
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+def _replica_resources(backend: str) -> dict:
+    return {"num_gpus": 1, "num_cpus": 1} if backend == "sglang" else {"num_cpus": 1}
+
+
+async def run_job(run_id: str, web_url: str, secret: str) -> str:
+    from rl_core.chat import load_chat_tokenizer
+    from rl_core.loop import TrainingLoop, WeightSync
+    from rl_core.rewards import load_reward_fn
+    from rl_core.rollout import RolloutDriver
+    from rl_core.staleness import StalenessController
+    from rl_core.trainer import PPOTrainer
+
+    api = InternalAPI(web_url, run_id, secret)
+    replicas: list = []
+    urls: list[str] = []
+    try:
+        info = await api.config()
+        config = RunConfig.from_dict(info["config"])
+        data_dir = Path(info["data_dir"])
+        data_dir.mkdir(parents=True, exist_ok=True)
+        released = await api.release()
+        if released:
+            await WebReporter(api).event(
+                "resume", f"Released {released} trajectories claimed by the previous attempt."
+            )
+
+        backend = choose_backend(config.inference_backend)
+        env = {"STEEP_TORCH_THREADS": os.environ.get("STEEP_TORCH_THREADS", "1")}
+        replicas = [
+            InferenceReplica.options(**_replica_resources(backend)).remote(
+                backend, config.base_model, env
+            )
+            for _ in range(config.num_inference_servers)
+        ]
+        urls = [await replica.url.remote() for replica in replicas]
+
+        trainer = await asyncio.to_thread(PPOTrainer, config, model_path=config.base_model)
+        controller = StalenessController(
+            config.max_staleness,
+            config.batch_size,
+            config.max_concurrent_rollouts,
+            version=trainer.version,
+        )
+        reporter = WebReporter(api)
+        source = WebSource(api)
+        loop = TrainingLoop(
+            config,
+            trainer,
+            source,
+            WeightSync(urls, data_dir / "weights"),
+            reporter,
+            controller,
+            checkpoint_dir=data_dir / "checkpoints",
+        )
+        await loop.prepare()  # resume from the last checkpoint and push its weights before serving
+        for url in urls:
+            await api.register_server(url, backend)
+
+        driver_task = None
+        if config.mode == "dataset":
+            rows = await api.dataset_rows()
+            driver = RolloutDriver(
+                config,
+                urls,
+                load_chat_tokenizer(config.base_model),
+                rows,
+                load_reward_fn(config.reward),
+                controller,
+                WebEpisodeSink(api),
+            )
+            driver_task = asyncio.create_task(driver.run())
+
+        async def watch_for_stop() -> None:
+            while True:
+                await asyncio.sleep(STOP_POLL_S)
+                if (await api.config())["status"] == "stopping":
+                    await reporter.event("stop", "Stop requested: finishing the current step.")
+                    loop.stop()
+                    source.stop()
+                    return
+
+        watcher = asyncio.create_task(watch_for_stop())
+        asyncio.get_running_loop().add_signal_handler(
+            signal.SIGTERM, lambda: (loop.stop(), source.stop())
+        )
+        summary = await loop.run(config.max_steps)
+        watcher.cancel()
+        if driver_task is not None:
+            driver.stop()
+            driver_task.cancel()
+        final = "stopped" if summary.stopped else "completed"
+        await api.status(
+            final, message=f"Training {final} at step {summary.step} (version {summary.version})."
+        )
+        return final
+    except Exception as exc:
+        logger.exception("run %s failed", run_id)
+        try:
+            await api.release()
+            await api.status(
+                "failed", error=f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()[-4000:]}"
+            )
+        except Exception:
+            logger.exception("could not report the failure")
+        raise
+    finally:
+        for url in urls:
+            try:
+                await api.unregister_server(url)
+            except Exception:
+                pass
+        for replica in replicas:
+            try:
+                await replica.stop.remote()
+            except Exception:
+                pass
+        await api.aclose()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Run one Steep training run (a Ray job).")
+    parser.add_argument("--run-id", required=True)
+    parser.add_argument("--web-url", required=True, help="Base URL of the web app's internal API.")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    secret = os.environ.get("STEEP_JOB_SECRET", "")
+    if not secret:
+        raise SystemExit("STEEP_JOB_SECRET is not set: the job cannot authenticate to the web app.")
+    ray.init(address="auto", logging_level=logging.WARNING)
+    asyncio.run(run_job(args.run_id, args.web_url, secret))
+
+
+if __name__ == "__main__":
+    main()
