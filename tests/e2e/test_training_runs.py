@@ -1,0 +1,275 @@
+"""Training runs end to end: REST → Celery → Ray job → torch engine + trainer → metrics back."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import subprocess
+import threading
+import time
+
+import httpx
+import pytest
+
+from rl_core.toy import TOY_SETTINGS, toy_rows
+from tests.e2e.conftest import wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+
+
+@pytest.fixture
+def rest(stack, api_key):
+    with httpx.Client(
+        base_url=f"{stack.url}/api/v1", headers={"Authorization": f"Bearer {api_key}"}, timeout=30
+    ) as client:
+        yield client
+
+
+def run_state(rest, run_id: str) -> dict:
+    return rest.get(f"/runs/{run_id}/").json()
+
+
+def reward_series(rest, run_id: str) -> list[tuple[int, float]]:
+    points, page = [], f"/runs/{run_id}/metrics/?name=rollout/reward&page_size=500"
+    while page:
+        body = rest.get(page).json()
+        points += [(p["step"], p["value"]) for p in body["results"]]
+        page = body["next"]
+    return points
+
+
+def create_dataset_run(rest, stack, **overrides) -> dict:
+    body = "".join(json.dumps(row) + "\n" for row in toy_rows(128)).encode()
+    dataset = rest.post(
+        "/datasets/",
+        data={"name": f"letters-{time.time_ns()}"},
+        files={"file": ("letters.jsonl", body)},
+    ).json()
+    settings = {**TOY_SETTINGS, "max_steps": 14, "save_every": 5, **overrides}
+    created = rest.post(
+        "/runs/",
+        json={
+            "name": "letters",
+            "mode": "dataset",
+            "base_model": str(stack.model_dir),
+            "dataset": dataset["id"],
+            **settings,
+        },
+    )
+    assert created.status_code == 201, created.text
+    return created.json()
+
+
+def watch_websocket(
+    stack, run_id: str, user, events: list, stop: threading.Event
+) -> threading.Thread:
+    """Collect the run's websocket events in a thread, logged in as ``user``."""
+    import websockets
+    from django.test import Client
+
+    browser = Client()
+    browser.force_login(user)
+    cookie = f"sessionid={browser.cookies['sessionid'].value}"
+
+    async def listen():
+        uri = stack.url.replace("http", "ws") + f"/ws/runs/{run_id}/?since_step=-1"
+        async with websockets.connect(
+            uri, additional_headers={"Cookie": cookie, "Origin": stack.url}
+        ) as socket:
+            while not stop.is_set():
+                try:
+                    events.append(json.loads(await asyncio.wait_for(socket.recv(), 1.0)))
+                except TimeoutError:
+                    continue
+
+    thread = threading.Thread(target=lambda: asyncio.run(listen()), daemon=True)
+    thread.start()
+    return thread
+
+
+def test_dataset_run_trains_reports_live_checkpoints_and_stops(stack, rest, owner):
+    run = create_dataset_run(rest, stack, max_steps=200)
+    events: list[dict] = []
+    stop_ws = threading.Event()
+    watcher = watch_websocket(stack, run["id"], owner, events, stop_ws)
+    try:
+        assert rest.post(f"/runs/{run['id']}/start/").status_code == 202
+        wait_for(
+            lambda: run_state(rest, run["id"])["status"] == "running",
+            180,
+            f"the run to be running\n{stack.log_tail()}",
+        )
+        wait_for(
+            lambda: run_state(rest, run["id"])["step"] >= 12,
+            300,
+            f"12 training steps\n{stack.log_tail()}",
+        )
+
+        def reward_rose() -> bool:
+            # It rises once the policy first samples the target (after ~10-40 steps).
+            rewards = [value for _, value in sorted(reward_series(rest, run["id"]))]
+            return (
+                len(rewards) >= 8
+                and statistics.mean(rewards[-4:]) > statistics.mean(rewards[:3]) + 0.2
+            )
+
+        wait_for(
+            reward_rose,
+            400,
+            f"the reward to rise\n{reward_series(rest, run['id'])}\n{stack.log_tail()}",
+        )
+
+        checkpoints = rest.get(f"/runs/{run['id']}/checkpoints/").json()["results"]
+        assert checkpoints, "a checkpoint every 5 steps"
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(checkpoints[0]["path"])
+        assert model.config.vocab_size > 0
+
+        assert rest.post(f"/runs/{run['id']}/stop/").status_code == 202
+        wait_for(
+            lambda: run_state(rest, run["id"])["status"] == "stopped",
+            180,
+            f"the run to stop\n{stack.log_tail()}",
+        )
+        final = run_state(rest, run["id"])
+        assert any(e["kind"] == "checkpoint" for e in final["events"])
+    finally:
+        stop_ws.set()
+        watcher.join(timeout=5)
+    metric_steps = {event["step"] for event in events if event.get("type") == "metrics"}
+    assert len(metric_steps) >= 5, events[:3]
+    assert any(
+        event.get("type") == "status" and event.get("status") == "running" for event in events
+    )
+
+
+def test_online_agents_train_while_running_within_the_staleness_bound(stack, rest, project):
+    from openai import APIStatusError, OpenAI
+
+    from webapp.gateway.models import Session
+
+    max_staleness, batch = 1, 4
+    created = rest.post(
+        "/runs/",
+        json={
+            "name": "online",
+            "mode": "online",
+            "base_model": str(stack.model_dir),
+            "batch_size": batch,
+            "max_staleness": max_staleness,
+            "max_steps": 6,
+            "learning_rate": 1e-3,
+            "save_every": 3,
+        },
+    )
+    run = created.json()
+    agent = rest.post("/agents/", json={"name": "e2e agent", "run": run["id"]}).json()
+    assert rest.post(f"/runs/{run['id']}/start/").status_code == 202
+    wait_for(
+        lambda: run_state(rest, run["id"])["status"] == "running",
+        180,
+        f"the run to be running\n{stack.log_tail()}",
+    )
+
+    project_key = rest.headers["Authorization"].split()[1]
+    seen_versions: set[int] = set()
+    ended: list[str] = []
+    deadline = time.monotonic() + 300
+    while run_state(rest, run["id"])["status"] == "running" and time.monotonic() < deadline:
+        started = httpx.post(
+            f"{agent['base_url']}/rl/start_session",
+            headers={"Authorization": f"Bearer {project_key}"},
+            json={"task_id": "e2e"},
+        )
+        if started.status_code == 429:
+            time.sleep(float(started.headers["Retry-After"]) / 4)
+            continue
+        if started.status_code == 503:
+            break  # the run completed between the check and the call
+        assert started.status_code == 201, started.text
+        session = started.json()
+        client = OpenAI(base_url=agent["base_url"], api_key=session["api_key"], max_retries=0)
+        messages = [{"role": "user", "content": "Say a."}]
+        try:
+            for _ in range(2):
+                reply = client.chat.completions.create(
+                    model="policy", messages=messages, max_tokens=4, temperature=1.0
+                )
+                seen_versions.add(int(reply.system_fingerprint.removeprefix("steep-v")))
+                messages += [
+                    {"role": "assistant", "content": reply.choices[0].message.content},
+                    {"role": "user", "content": "Again."},
+                ]
+        except APIStatusError as error:
+            # The run reached max_steps while this session was mid-conversation: the
+            # gateway answers 503 and the episode is simply not trained.
+            assert error.status_code == 503, error
+            assert run_state(rest, run["id"])["status"] != "running"
+            break
+        auth = {"Authorization": f"Bearer {session['api_key']}"}
+        assert (
+            httpx.post(
+                f"{agent['base_url']}/rl/set_reward",
+                headers=auth,
+                json={"reward": float("a" in reply.choices[0].message.content)},
+            ).status_code
+            == 200
+        )
+        assert httpx.post(f"{agent['base_url']}/rl/end_session", headers=auth).status_code == 200
+        ended.append(session["session_id"])
+
+    wait_for(
+        lambda: run_state(rest, run["id"])["status"] == "completed",
+        240,
+        f"the run to complete\n{stack.log_tail()}",
+    )
+    assert len(seen_versions) > 1, "the policy version served changed while agents kept running"
+
+    sessions = {str(s.id): s for s in Session.objects.filter(run_id=run["id"])}
+    trained = [s for s in sessions.values() if s.trajectory == "trained"]
+    assert (
+        len(trained) >= 6 * batch - max_staleness * batch
+    )  # every step trained a full batch (dropped ones excepted)
+    assert all(sessions[sid].trajectory in ("trained", "dropped", "ready") for sid in ended)
+    for session in trained:
+        versions = [
+            v for turn in session.interactions.all() for v in turn.outputs[turn.chosen]["versions"]
+        ]
+        assert session.trained_version - min(versions) <= max_staleness + 1, (
+            session.trained_version,
+            versions,
+        )
+
+
+def test_a_killed_job_is_restarted_from_its_checkpoint_without_losing_trajectories(stack, rest):
+    from webapp.gateway.models import Session
+    from webapp.runs.models import Run
+
+    run = create_dataset_run(rest, stack, max_steps=12, save_every=3)
+    assert rest.post(f"/runs/{run['id']}/start/").status_code == 202
+    wait_for(lambda: run_state(rest, run["id"])["step"] >= 4, 300, f"4 steps\n{stack.log_tail()}")
+    # A crash, not a stop: the job's driver process dies without reporting anything.
+    killed = subprocess.run(
+        ["pkill", "-9", "-f", f"workers.ray_job --run-id {run['id']}"], check=False
+    )
+    assert killed.returncode == 0, "the job's driver process was running"
+
+    wait_for(
+        lambda: Run.objects.get(pk=run["id"]).job_attempt >= 2,
+        120,
+        f"the reconciler to relaunch\n{stack.log_tail()}",
+    )
+    wait_for(
+        lambda: run_state(rest, run["id"])["status"] == "completed",
+        400,
+        f"the restarted run to complete\n{stack.log_tail()}",
+    )
+    final = run_state(rest, run["id"])
+    kinds = [event["kind"] for event in final["events"]]
+    assert "reconcile" in kinds and "resumed" in kinds, kinds
+    assert final["step"] == 12
+    states = list(Session.objects.filter(run_id=run["id"]).values_list("trajectory", flat=True))
+    assert "claimed" not in states, "claimed-but-untrained trajectories were released, not lost"
+    assert states.count("trained") >= 12 * 32 - 32  # each step trained a full batch
