@@ -186,6 +186,9 @@ def runs_reconcile() -> dict:
 @shared_task(name="sessions.expire_idle")
 def sessions_expire_idle() -> int:
     """Close agent sessions idle past SESSION_IDLE_TIMEOUT_S (kept as expired, not trained unless configured)."""
+    from webapp.gateway.admission import refresh_active_runs
     from webapp.gateway.services import sessions_expire_idle as expire
 
-    return expire()
+    expired = expire()
+    refresh_active_runs()  # slots of sessions deleted with their agent come back
+    return expired

@@ -33,6 +33,7 @@ from typing import Any
 import httpx
 
 __all__ = [
+    "AiohttpInferenceClient",
     "GenerateChunk",
     "GenerateResult",
     "InferenceClient",
@@ -246,6 +247,10 @@ class InferenceClient:
             raise _error_for(response, f"{method} {path}")
         return response
 
+    async def _post_generate(self, body: dict[str, Any]) -> Any:
+        """``POST /generate`` (not streaming); the decoded JSON answer."""
+        return (await self._request("POST", "/generate", json_body=body)).json()
+
     # ----- generation
 
     def _generate_body(
@@ -309,8 +314,7 @@ class InferenceClient:
                 top_n=top_logprobs_num,
                 stream=False,
             )
-            response = await self._request("POST", "/generate", json_body=body)
-            data = response.json()
+            data = await self._post_generate(body)
             ids, logprobs, version, finish, top = _segment(
                 data, return_logprob=return_logprob, top_n=top_logprobs_num
             )
@@ -545,20 +549,76 @@ def _finish_type(finish: dict | None, remaining: int) -> str:
 
 
 def _error_for(response: httpx.Response, what: str) -> InferenceError:
+    return _error(response.status_code, response.text, what)
+
+
+def _error(status: int, text: str, what: str) -> InferenceError:
     try:
-        body: Any = response.json()
+        body: Any = json.loads(text)
     except ValueError:
-        body = response.text
+        body = text
     message = body
     if isinstance(body, dict):
         err = body.get("error")
         message = (
             body.get("message") or (err.get("message") if isinstance(err, dict) else err) or body
         )
-    cls = InferenceUnavailable if response.status_code == 503 else InferenceError
-    return cls(
-        f"{what} -> {response.status_code}: {message}", status=response.status_code, body=body
-    )
+    cls = InferenceUnavailable if status == 503 else InferenceError
+    return cls(f"{what} -> {status}: {message}", status=status, body=body)
+
+
+class AiohttpInferenceClient(InferenceClient):
+    """``InferenceClient`` whose ``/generate`` calls go through aiohttp.
+
+    The gateway's hot path: per request, aiohttp's client costs about a sixth of httpx's
+    CPU (docs/benchmarks.md). Everything else (control calls, streaming) uses httpx as
+    the base class does. Create and use it inside one event loop.
+    """
+
+    def __init__(self, base_url: str, **kwargs: Any):
+        super().__init__(base_url, **kwargs)
+        self._session = None
+
+    def _aiohttp(self):
+        import aiohttp
+
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                # Idle connections are dropped before servers drop them (uvicorn: after 5 s).
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4),
+                timeout=aiohttp.ClientTimeout(total=None, connect=10.0),
+            )
+        return self._session
+
+    async def _post_generate(self, body: dict[str, Any]) -> Any:
+        import aiohttp
+
+        url = self.base_url + "/generate"
+        for attempt in (1, 2):
+            try:
+                async with self._aiohttp().post(url, json=body) as response:
+                    text = await response.text()
+                    status = response.status
+                break
+            except aiohttp.ServerDisconnectedError as exc:
+                # A kept-alive connection the server closed as we reused it: once more, fresh.
+                if attempt == 2:
+                    raise InferenceUnavailable(f"POST {url}: {exc!r}") from exc
+            except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+                raise InferenceUnavailable(f"POST {url}: {exc!r}") from exc
+        if status >= 400:
+            raise _error(status, text, "POST /generate")
+        try:
+            return json.loads(text)
+        except ValueError:
+            raise InferenceError(
+                f"POST /generate: the answer is not JSON: {text[:200]!r}"
+            ) from None
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+        await super().aclose()
 
 
 async def _sse_events(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:

@@ -35,7 +35,8 @@ class GatewayError(Exception):
             retry_after,
         )
 
-    def response(self) -> JsonResponse:
+    def payload(self) -> tuple[int, dict, dict[str, str]]:
+        """``(status, body, headers)`` of the error response."""
         body = {
             "error": {
                 "message": self.message,
@@ -44,12 +45,16 @@ class GatewayError(Exception):
                 "code": self.code,
             }
         }
-        response = JsonResponse(body, status=self.status)
+        headers = {}
         if self.retry_after is not None:
-            response["Retry-After"] = str(self.retry_after)
+            headers["Retry-After"] = str(self.retry_after)
         if self.status == 401:
-            response["WWW-Authenticate"] = "Bearer"
-        return response
+            headers["WWW-Authenticate"] = "Bearer"
+        return self.status, body, headers
+
+    def response(self) -> JsonResponse:
+        status, body, headers = self.payload()
+        return JsonResponse(body, status=status, headers=headers)
 
 
 def bad_request(

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from asgiref.sync import sync_to_async
 
 from rl_core.inference.client import (
+    AiohttpInferenceClient,
     GenerateResult,
-    InferenceClient,
     InferenceError,
     InferenceUnavailable,
 )
@@ -19,7 +19,7 @@ from webapp.gateway import selectors
 from webapp.gateway.errors import GatewayError
 from webapp.gateway.services import inference_server_mark_down, inference_server_mark_up
 
-_CLIENTS: dict[tuple[int, str], InferenceClient] = {}
+_CLIENTS: dict[tuple[int, str], AiohttpInferenceClient] = {}
 
 # A run's serving servers, per process, re-read at most every SERVERS_TTL_S (and at once after a
 # failure here): the list changes when servers are attached, stopped or marked down, rarely.
@@ -44,12 +44,12 @@ async def _mark_down(run_id, url: str) -> None:
     await sync_to_async(inference_server_mark_down, thread_sensitive=False)(run_id=run_id, url=url)
 
 
-def _client(url: str) -> InferenceClient:
-    # One pooled HTTP client per event loop and server: httpx clients are bound to their loop.
+def _client(url: str) -> AiohttpInferenceClient:
+    # One pooled HTTP client per event loop and server: HTTP clients are bound to their loop.
     key = (id(asyncio.get_running_loop()), url)
     client = _CLIENTS.get(key)
     if client is None:
-        client = _CLIENTS[key] = InferenceClient(url)
+        client = _CLIENTS[key] = AiohttpInferenceClient(url)
     return client
 
 

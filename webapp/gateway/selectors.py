@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Iterator
-from datetime import timedelta
 
 from django.db import connection, transaction
 from django.db.models import FloatField, OuterRef, Prefetch, Q, QuerySet, Subquery, Sum
@@ -16,7 +15,6 @@ from rl_core.types import Trajectory
 from webapp.accounts.models import Project
 from webapp.accounts.selectors import parse_uuid
 from webapp.gateway.models import InferenceServer, Interaction, Session
-from webapp.gateway.prompts import PreviousTurn
 from webapp.runs.models import Run
 
 logger = logging.getLogger(__name__)
@@ -40,38 +38,6 @@ def server_candidates(*, run_id, sticky: str = "") -> list[tuple[str, bool]]:
 
 def order_candidates(servers: list[tuple[str, bool]], sticky: str) -> list[tuple[str, bool]]:
     return sorted(servers, key=lambda server: (server[0] != sticky, IN_FLIGHT[server[0]]))
-
-
-def previous_turn(*, session: Session) -> PreviousTurn | None:
-    last = Interaction.objects.filter(session=session).order_by("-turn").first()
-    if last is None:
-        return None
-    choices = [
-        {"output_ids": out["output_ids"], "message": choice["message"]}
-        for out, choice in zip(last.outputs, last.response["choices"], strict=True)
-    ]
-    return PreviousTurn(
-        messages=last.messages, tools=last.tools, input_ids=last.input_ids, choices=choices
-    )
-
-
-def last_interaction(*, session: Session) -> Interaction | None:
-    return Interaction.objects.filter(session=session).order_by("-turn").first()
-
-
-def recent_one_turn_replay(*, agent, request_hash: str, window_s: int = 600) -> Interaction | None:
-    """A one-turn completion of ``agent`` with the same request, recorded recently: what a retry gets."""
-    since = timezone.now() - timedelta(seconds=window_s)
-    return (
-        Interaction.objects.filter(
-            session__agent=agent,
-            session__one_turn=True,
-            request_hash=request_hash,
-            created_at__gte=since,
-        )
-        .order_by("-created_at")
-        .first()
-    )
 
 
 def session_list(

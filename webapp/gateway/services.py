@@ -10,109 +10,65 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from django.conf import settings
-from django.db import transaction
+from django.db import connection, transaction
 from django.utils import timezone
 
-from rl_core.staleness import free_capacity
 from webapp.accounts.keys import SESSION_KEY_PREFIX, generate_key, hash_key
-from webapp.accounts.selectors import parse_uuid
-from webapp.accounts.services import api_key_authenticate
 from webapp.agents.models import Agent
+from webapp.gateway import admission, turns
 from webapp.gateway.errors import GatewayError
 from webapp.gateway.models import InferenceServer, Interaction, Session
 from webapp.runs.models import Run
 
 S = Session.Status
 T = Session.Trajectory
-ACCEPTED = (T.READY, T.CLAIMED, T.TRAINED, T.DROPPED)
 
 
 @dataclass
 class GatewayAuth:
     agent: Agent
     session: Session | None  # set when the bearer is a session key
+    caller: turns.Caller
 
 
 def gateway_authenticate(*, token: str | None, agent_id: str) -> GatewayAuth:
-    """A project key of the agent's project, or a session key of this agent. Others: 401/404."""
+    """A project key of the agent's project, or a session key of this agent. Others: 401/404.
+
+    The rules are ``turns.authenticate`` (the chat hot path's); this loads the models for
+    the ORM services.
+    """
     if not token:
-        raise GatewayError(
-            401, "Missing API key: send 'Authorization: Bearer <key>'.", code="invalid_api_key"
-        )
-    if token.startswith(SESSION_KEY_PREFIX):
-        session = (
-            Session.objects.select_related("agent__run", "agent__project")
-            .filter(key_hash=hash_key(token))
-            .first()
-        )
-        if session is None:
-            raise GatewayError(401, "Invalid or superseded session key.", code="invalid_api_key")
-        if str(session.agent_id) != str(_agent_uuid(agent_id)):
-            raise GatewayError(404, f"Agent {agent_id} not found.", code="agent_not_found")
-        return GatewayAuth(agent=session.agent, session=session)
-    key = api_key_authenticate(plaintext=token)
-    if key is None:
-        raise GatewayError(401, "Invalid, expired or revoked API key.", code="invalid_api_key")
-    agent = (
-        Agent.objects.select_related("run", "project")
-        .filter(pk=_agent_uuid(agent_id), project=key.project)
-        .first()
-    )
-    if agent is None:
+        raise turns.missing_key()  # before touching the database
+    with connection.cursor() as cursor:
+        caller = turns.authenticate(cursor, token=token, agent_id=agent_id)
+    agent = Agent.objects.select_related("run", "project").filter(pk=caller.agent_id).first()
+    session = None
+    if caller.session_id is not None:
+        session = Session.objects.filter(pk=caller.session_id).first()
+    if agent is None or (caller.session_id is not None and session is None):
         raise GatewayError(404, f"Agent {agent_id} not found.", code="agent_not_found")
-    return GatewayAuth(agent=agent, session=None)
+    return GatewayAuth(agent=agent, session=session, caller=caller)
 
 
-def _agent_uuid(agent_id: str):
-    try:
-        return parse_uuid(agent_id)
-    except Exception:
-        raise GatewayError(404, f"Agent {agent_id} not found.", code="agent_not_found") from None
-
-
-def serving_run(agent: Agent) -> Run:
-    """The agent's run, if it can serve now; otherwise a 503 that says what to start."""
-    run = agent.run
-    if run is None:
-        raise GatewayError(
-            503,
-            f"Agent '{agent.name}' has no run. Bind it to a run and start the run.",
-            code="no_run",
-        )
-    run.refresh_from_db(fields=["status", "weight_version", "config"])
-    if run.status != Run.Status.RUNNING:
-        raise GatewayError(
-            503,
-            f"Run '{run.name}' is {run.status}, not running. Start it from the dashboard or POST /api/v1/runs/{run.id}/start/.",
-            code="run_not_running",
-        )
-    return run
+def serving_run(auth: GatewayAuth) -> Run:
+    """The agent's run, if it can serve now (``turns.serving``); otherwise a 503 that says what to start."""
+    turns.serving(auth.caller)
+    return auth.agent.run
 
 
 # --- Staleness admission -------------------------------------------------------------------
 
 
-def _admit_locked(run: Run) -> None:
-    """Raise 429 unless one more episode fits the run's staleness budget. Caller holds the run's row lock."""
-    config = run.config
-    running = Session.objects.filter(run=run, status=S.OPEN).count()
-    accepted = Session.objects.filter(run=run, trajectory__in=ACCEPTED).count()
-    free = free_capacity(
-        max_staleness=config.get("max_staleness", 4),
-        version=run.weight_version,
-        batch_size=config.get("batch_size", 8),
-        accepted=accepted,
-        running=running,
-        max_concurrent_rollouts=config.get("max_concurrent_rollouts") or 0,
-    )
-    if free <= 0:
-        raise GatewayError(
-            429,
-            f"The run's staleness budget is full ({accepted} accepted + {running} running episodes at policy version "
-            f"{run.weight_version}, max_staleness {config.get('max_staleness')}). Retry after training catches up.",
-            code="staleness_budget_full",
-            retry_after=settings.GATEWAY_RETRY_AFTER_S,
-        )
+def _admit(run: Run) -> None:
+    """Take one slot of the run's staleness budget, or raise 429 (``admission.admit``)."""
+    with connection.cursor() as cursor:
+        if not admission.admit(cursor, run_id=run.pk, config=run.config):
+            raise turns.budget_full(cursor, run)
+
+
+def _counted(run_id, *, opened: int = 0, accepted: int = 0) -> None:
+    with connection.cursor() as cursor:
+        admission.count(cursor, run_id, opened=opened, accepted=accepted)
 
 
 def session_open(
@@ -130,10 +86,9 @@ def session_open(
     keeps its key across episodes); the old session ends first.
     """
     with transaction.atomic():
-        locked_run = Run.objects.select_for_update().get(pk=run.pk)
         if replaces is not None:
             _end_locked(Session.objects.select_for_update().get(pk=replaces.pk))
-        _admit_locked(locked_run)
+        _admit(run)
         plaintext = None
         key_hash = None
         if replaces is not None:
@@ -145,37 +100,14 @@ def session_open(
         session = Session.objects.create(
             project_id=agent.project_id,
             agent=agent,
-            run=locked_run,
+            run=run,
             key_hash=key_hash,
             one_turn=one_turn,
             task_id=task_id,
             metadata=metadata or {},
-            admitted_version=locked_run.weight_version,
+            admitted_version=run.weight_version,
         )
     return session, plaintext
-
-
-def session_discard(*, session: Session) -> None:
-    """Remove a one-turn session whose request failed before anything was recorded."""
-    if session.one_turn and not session.interactions.exists():
-        session.delete()
-
-
-def session_require_open(session: Session) -> Session:
-    session.refresh_from_db()
-    if session.status == S.EXPIRED:
-        raise GatewayError(
-            410,
-            f"Session {session.id} expired after {settings.SESSION_IDLE_TIMEOUT_S} s idle; start a new one with POST /rl/start_session.",
-            code="session_expired",
-        )
-    if session.status != S.OPEN:
-        raise GatewayError(
-            409,
-            f"Session {session.id} has ended; start a new one with POST /rl/start_session.",
-            code="session_ended",
-        )
-    return session
 
 
 def _end_locked(session: Session, *, status: str = S.ENDED) -> Session:
@@ -191,6 +123,7 @@ def _end_locked(session: Session, *, status: str = S.ENDED) -> Session:
     session.trajectory = T.READY if train else T.UNREWARDED
     session.ended_at = timezone.now()
     session.save(update_fields=["status", "trajectory", "ended_at"])
+    _counted(session.run_id, opened=-1, accepted=int(train))
     return session
 
 
@@ -226,60 +159,6 @@ def sessions_expire_idle(*, now=None) -> int:
 
 
 # --- Recording -----------------------------------------------------------------------------
-
-
-def interaction_record(
-    *,
-    session: Session,
-    interaction_id: str,
-    request_hash: str,
-    messages: list,
-    tools,
-    sampling: dict,
-    input_ids: list[int],
-    prefix_reused: bool,
-    outputs: list[dict],
-    response: dict,
-    server_url: str,
-    latency_ms: float,
-    previous_chosen: int | None,
-) -> Interaction:
-    """Store one turn durably (committed before the caller answers the agent)."""
-    with transaction.atomic():
-        locked = Session.objects.select_for_update().get(pk=session.pk)
-        if locked.status != S.OPEN:
-            raise GatewayError(
-                409,
-                f"Session {locked.id} ended while the request was in flight.",
-                code="session_ended",
-            )
-        turn = locked.interaction_count
-        if turn > 0:
-            last = Interaction.objects.filter(session=locked, turn=turn - 1).first()
-            if last is not None and last.request_hash == request_hash:
-                return last  # a retry that overlapped its original: keep the first answer only
-        if previous_chosen is not None and turn > 0:
-            Interaction.objects.filter(session=locked, turn=turn - 1).update(chosen=previous_chosen)
-        interaction = Interaction.objects.create(
-            id=interaction_id,
-            session=locked,
-            turn=turn,
-            request_hash=request_hash,
-            messages=messages,
-            tools=tools,
-            sampling=sampling,
-            input_ids=input_ids,
-            prefix_reused=prefix_reused,
-            outputs=outputs,
-            response=response,
-            server_url=server_url,
-            latency_ms=latency_ms,
-        )
-        locked.interaction_count = turn + 1
-        locked.last_activity_at = timezone.now()
-        locked.server_url = server_url
-        locked.save(update_fields=["interaction_count", "last_activity_at", "server_url"])
-    return interaction
 
 
 def reward_set(
@@ -358,6 +237,7 @@ def reward_set(
                 _end_locked(locked)
             elif locked.trajectory == T.UNREWARDED:
                 Session.objects.filter(pk=locked.pk).update(trajectory=T.READY)
+                _counted(locked.run_id, accepted=1)
     return interaction
 
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 import math
 import uuid
 
-from django.db import transaction
+from django.db import connection, transaction
 from django.utils import timezone
 
 from webapp.accounts.keys import generate_key, hash_key
+from webapp.gateway import admission
 from webapp.gateway.models import Interaction, Session
 from webapp.gateway.selectors import session_trajectories, trajectories_claim
 from webapp.gateway.services import inference_server_register, inference_server_unregister
@@ -137,9 +138,12 @@ def job_mark_trained(*, run: Run, version: int, trained: list[str], dropped: lis
     Session.objects.filter(run=run, pk__in=trained, trajectory=T.CLAIMED).update(
         trajectory=T.TRAINED, trained_version=version
     )
-    Session.objects.filter(run=run, pk__in=dropped, trajectory=T.CLAIMED).update(
-        trajectory=T.DROPPED, trained_version=version
-    )
+    with transaction.atomic():
+        dropped_count = Session.objects.filter(
+            run=run, pk__in=dropped, trajectory=T.CLAIMED
+        ).update(trajectory=T.DROPPED, trained_version=version)
+        with connection.cursor() as cursor:  # a dropped trajectory gives its slot back
+            admission.count(cursor, run.pk, accepted=-dropped_count)
 
 
 def job_release(*, run: Run, session_ids: list[str] | None = None) -> int:
@@ -209,6 +213,8 @@ def job_submit_episodes(*, run: Run, episodes: list[dict]) -> list[str]:
                 latency_ms=float(episode.get("latency_ms", 0.0)),
             )
             ids.append(str(session.id))
+        with connection.cursor() as cursor:
+            admission.count(cursor, run.pk, accepted=len(ids))
     return ids
 
 

@@ -37,6 +37,12 @@ class Run(models.Model):
     )
     step = models.PositiveIntegerField(default=0)
     weight_version = models.PositiveIntegerField(default=0)
+    # The gateway's staleness admission reads these instead of counting sessions: open
+    # sessions (rollouts running) and trajectories accepted for training (ready, claimed or
+    # trained; dropped ones give their slot back). Kept in step by the gateway's services
+    # and recomputed from the sessions by the reconciler (webapp.gateway.services).
+    sessions_open = models.IntegerField(default=0)
+    sessions_accepted = models.IntegerField(default=0)
     error = models.TextField(blank=True)
     # The Ray job executing the run. Its secret (hashed) authenticates the internal API;
     # a new one is issued at every launch, so a previous attempt's job is locked out.

@@ -1,0 +1,95 @@
+"""Staleness admission across web processes: one conditional UPDATE on the run's counters.
+
+``Run.sessions_open`` (rollouts running) and ``Run.sessions_accepted`` (trajectories
+handed to training: ready, claimed or trained) are the ``running`` and ``accepted`` of
+AReaL's rule (``rl_core.staleness``). A new session is admitted by one statement that
+increments ``sessions_open`` only while::
+
+    sessions_open + sessions_accepted < (max_staleness + weight_version + 1) * batch_size
+
+(and ``sessions_open < max_concurrent_rollouts`` when that is set), so two web processes
+can never both take the last slot, and admission costs the same however many sessions
+the run has. Every change of a session's state moves the counters by the same amount
+(``count``); ``refresh`` recomputes them from the sessions, which the reconciler runs
+periodically so that sessions deleted with their agent give their slots back.
+
+The functions take a DB-API cursor (Django's, on either backend) so that the ORM
+services and the gateway's write lane share them.
+"""
+
+from __future__ import annotations
+
+from django.db import connection
+
+from webapp.runs.models import Run
+
+ACCEPTED = ("ready", "claimed", "trained")  # Session.Trajectory values that hold a slot
+
+_RUN = Run._meta.db_table
+
+
+def run_pk(run_id):
+    """``run_id`` as the database stores it (a hex string on SQLite, a UUID on Postgres)."""
+    return Run._meta.pk.get_db_prep_value(run_id, connection)
+
+
+def budget(config: dict) -> tuple[int, int, int]:
+    """``(max_staleness, batch_size, max_concurrent_rollouts)`` of a run config, with RunConfig's defaults."""
+    return (
+        int(config.get("max_staleness", 4)),
+        int(config.get("batch_size", 8)),
+        int(config.get("max_concurrent_rollouts") or 0),
+    )
+
+
+def admit(cursor, *, run_id, config: dict) -> bool:
+    """Open one rollout slot on a running run if its staleness budget allows; True when admitted."""
+    max_staleness, batch_size, max_concurrent = budget(config)
+    cursor.execute(
+        f"UPDATE {_RUN} SET sessions_open = sessions_open + 1"
+        " WHERE id = %s AND status = 'running'"
+        " AND sessions_open + sessions_accepted < (%s + weight_version + 1) * %s"
+        " AND (%s = 0 OR sessions_open < %s)",
+        [run_pk(run_id), max_staleness, batch_size, max_concurrent, max_concurrent],
+    )
+    return cursor.rowcount == 1
+
+
+def count(cursor, run_id, *, opened: int = 0, accepted: int = 0) -> None:
+    """Move a run's counters after sessions changed state (negative to give slots back)."""
+    if run_id is None or not (opened or accepted):
+        return
+    cursor.execute(
+        f"UPDATE {_RUN} SET sessions_open = sessions_open + %s,"
+        " sessions_accepted = sessions_accepted + %s WHERE id = %s",
+        [opened, accepted, run_pk(run_id)],
+    )
+
+
+def refresh(cursor, run_id) -> None:
+    """Recompute a run's counters from its sessions, in one statement."""
+    from webapp.gateway.models import Session
+
+    sessions = Session._meta.db_table
+    marks = ", ".join(["%s"] * len(ACCEPTED))
+    pk = run_pk(run_id)
+    cursor.execute(
+        f"UPDATE {_RUN} SET"
+        f" sessions_open = (SELECT COUNT(*) FROM {sessions} WHERE run_id = %s AND status = 'open'),"
+        f" sessions_accepted = (SELECT COUNT(*) FROM {sessions} WHERE run_id = %s AND trajectory IN ({marks}))"
+        " WHERE id = %s",
+        [pk, pk, *ACCEPTED, pk],
+    )
+
+
+def refresh_active_runs() -> int:
+    """``refresh`` every starting, running or stopping run; returns how many."""
+    ids = list(
+        Run.objects.filter(status__in=("starting", "running", "stopping")).values_list(
+            "pk", flat=True
+        )
+    )
+    with connection.cursor() as cursor:
+        for run_id in ids:
+            refresh(cursor, run_id)
+    return len(ids)

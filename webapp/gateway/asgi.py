@@ -1,0 +1,171 @@
+"""The gateway's ASGI fast route: chat completions answered without Django's request stack.
+
+Agents call ``POST /agents/{agent_id}/v1/chat/completions`` far more often than anything
+else, and Django's request/response cycle and middleware cost more CPU than the
+completion's own work (docs/benchmarks.md). ``fast_route(django_app)`` wraps the Django
+application: that one path goes straight to ``completions.chat_completion``; every other
+request, and any that needs Django's handling (a host not in ``ALLOWED_HOSTS``, plain
+HTTP when ``SECURE_SSL_REDIRECT`` is on), goes to Django unchanged.
+
+What the middleware did for these requests is done here too: the request id
+(``X-Request-ID``, the request's log line), the body limit (413 in OpenAI's shape, by
+``Content-Length`` or while reading), and the security headers JSON answers carry.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+from django.conf import settings
+from django.http.request import split_domain_port, validate_host
+
+from webapp import observability
+from webapp.gateway.completions import Reply, chat_completion
+from webapp.gateway.errors import GatewayError
+
+ROUTE = re.compile(r"/agents/([^/]+)/v1/chat/completions")
+
+
+def fast_route(django_app):
+    """An ASGI app serving chat completions itself and everything else through ``django_app``."""
+
+    async def app(scope, receive, send):
+        if scope["type"] == "http":
+            match = ROUTE.fullmatch(scope["path"])
+            if match is not None:
+                headers = _headers(scope)
+                if _ours(scope, headers):
+                    await _chat(scope, receive, send, match.group(1), headers)
+                    return
+        await django_app(scope, receive, send)
+
+    return app
+
+
+def _headers(scope) -> dict[str, str]:
+    return {name.decode("latin-1"): value.decode("latin-1") for name, value in scope["headers"]}
+
+
+def _secure(scope, headers: dict[str, str]) -> bool:
+    proxy = settings.SECURE_PROXY_SSL_HEADER
+    if proxy:
+        name = proxy[0].removeprefix("HTTP_").replace("_", "-").lower()
+        return headers.get(name, "").split(",")[0].strip() == proxy[1]
+    return scope.get("scheme") == "https"
+
+
+def _ours(scope, headers: dict[str, str]) -> bool:
+    """False for requests Django must answer: a disallowed host, or plain HTTP to be redirected."""
+    domain, _ = split_domain_port(headers.get("host", ""))
+    allowed = settings.ALLOWED_HOSTS or (
+        [".localhost", "127.0.0.1", "[::1]"] if settings.DEBUG else []
+    )
+    if not domain or not validate_host(domain, allowed):
+        return False
+    return not settings.SECURE_SSL_REDIRECT or _secure(scope, headers)
+
+
+async def _chat(scope, receive, send, agent_id: str, headers: dict[str, str]) -> None:
+    started = time.perf_counter()
+    request_id = observability.request_id_for(headers.get("x-request-id"))
+    observability.request_id_var.set(request_id)
+    if scope["method"] != "POST":
+        reply = Reply.error(
+            GatewayError(405, "Use POST on this endpoint.", code="method_not_allowed")
+        )
+    else:
+        try:
+            body = await _read_body(receive, headers)
+        except _Disconnected:
+            return
+        if body is None:
+            reply = _too_large()
+        else:
+            reply = await chat_completion(
+                agent_id=agent_id,
+                authorization=headers.get("authorization", ""),
+                content_type=headers.get("content-type", ""),
+                body=body,
+                retry_count=headers.get("x-stainless-retry-count", ""),
+            )
+    await _send(send, reply, request_id, _secure(scope, headers))
+    observability.log_request(scope["method"], scope["path"], reply.status, started)
+
+
+async def _read_body(receive, headers: dict[str, str]) -> bytes | None:
+    """The request body, or None when it is over MAX_REQUEST_BYTES (announced or as read)."""
+    limit = settings.MAX_REQUEST_BYTES
+    try:
+        if int(headers.get("content-length") or 0) > limit:
+            return None
+    except ValueError:
+        pass
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise _Disconnected
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
+class _Disconnected(Exception):
+    """The client went away before its request body arrived."""
+
+
+def _too_large() -> Reply:
+    limit = settings.MAX_REQUEST_BYTES
+    body = {
+        "error": {
+            "message": f"Request body is larger than the limit of {limit} bytes.",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "request_too_large",
+        }
+    }
+    return Reply(413, json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+
+
+def _response_headers(reply: Reply, request_id: str, secure: bool) -> list[tuple[bytes, bytes]]:
+    headers = {
+        **reply.headers,
+        "X-Request-ID": request_id,
+        "X-Content-Type-Options": "nosniff",
+        "X-Frame-Options": "DENY",
+        "Referrer-Policy": "same-origin",
+    }
+    if secure and settings.SECURE_HSTS_SECONDS:
+        hsts = f"max-age={settings.SECURE_HSTS_SECONDS}"
+        if settings.SECURE_HSTS_INCLUDE_SUBDOMAINS:
+            hsts += "; includeSubDomains"
+        if settings.SECURE_HSTS_PRELOAD:
+            hsts += "; preload"
+        headers["Strict-Transport-Security"] = hsts
+    if reply.stream is None:
+        headers["Content-Length"] = str(len(reply.body))
+    return [
+        (name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in headers.items()
+    ]
+
+
+async def _send(send, reply: Reply, request_id: str, secure: bool) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": reply.status,
+            "headers": _response_headers(reply, request_id, secure),
+        }
+    )
+    if reply.stream is None:
+        await send({"type": "http.response.body", "body": reply.body})
+        return
+    async for chunk in reply.stream:
+        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    await send({"type": "http.response.body", "body": b""})

@@ -1,0 +1,375 @@
+"""Chat completions: the gateway's hot path, independent of the web framework.
+
+``chat_completion`` takes the request's parts (agent id, headers, body bytes) and returns a
+``Reply``; the ASGI fast route (``webapp.gateway.asgi``) and the Django view both call it.
+Its database work is two lane operations (``webapp.gateway.turns``): authenticate and
+admit, then record the turn durably before the reply goes out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from django.conf import settings
+
+from rl_core.chat import ChatTemplateError, ChatTokenizer, load_chat_tokenizer, parse_tool_calls
+from webapp.accounts.auth import bearer_token
+from webapp.gateway import turns
+from webapp.gateway.errors import GatewayError, bad_request
+from webapp.gateway.inference import generate
+from webapp.gateway.lane import LaneError, lane
+from webapp.gateway.prompts import build_prompt, continued_choice
+from webapp.gateway.requests import ChatRequest, check_storable, parse_chat_request, storable_text
+
+
+@dataclass
+class Reply:
+    """An HTTP answer: a JSON body, or an SSE stream."""
+
+    status: int
+    body: bytes = b""
+    stream: AsyncIterator[bytes] | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def json(cls, payload: dict, status: int = 200) -> Reply:
+        return cls(
+            status, json.dumps(payload).encode(), headers={"Content-Type": "application/json"}
+        )
+
+    @classmethod
+    def error(cls, exc: GatewayError) -> Reply:
+        status, payload, headers = exc.payload()
+        return cls(
+            status,
+            json.dumps(payload).encode(),
+            headers={"Content-Type": "application/json", **headers},
+        )
+
+
+def model_id(base_model: str) -> str:
+    return os.path.basename(base_model.rstrip("/")) or base_model
+
+
+def parse_json_body(body: bytes, content_type: str) -> object:
+    media_type = content_type.split(";", 1)[0].strip().lower()
+    if media_type not in ("application/json", ""):
+        raise bad_request(
+            "Send the body as JSON (Content-Type: application/json).", code="invalid_content_type"
+        )
+    try:
+        parsed = json.loads(body or b"null")
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested too deeply
+        raise bad_request(f"The body is not valid JSON: {exc}.", code="invalid_json") from None
+    check_storable(parsed)
+    return parsed
+
+
+async def _tokenizer(base_model: str) -> ChatTokenizer:
+    tok = _TOKENIZERS.get(base_model)
+    if tok is None:
+        try:  # the first load reads files: off the event loop
+            tok = await asyncio.to_thread(load_chat_tokenizer, base_model)
+        except (OSError, ValueError) as exc:
+            raise GatewayError(
+                503,
+                f"Cannot load the tokenizer of {base_model}: {exc}",
+                code="tokenizer_unavailable",
+            ) from None
+        _TOKENIZERS[base_model] = tok
+    return tok
+
+
+_TOKENIZERS: dict[str, ChatTokenizer] = {}
+
+
+async def in_lane(operation):
+    """Run an operation in this process's lane; a batch that could not commit is a 503."""
+    try:
+        return await lane().run(operation)
+    except LaneError as exc:
+        raise GatewayError(
+            503, f"{exc} Retry shortly.", code="database_unavailable", retry_after=1
+        ) from None
+
+
+async def chat_completion(
+    *,
+    agent_id: str,
+    authorization: str,
+    content_type: str,
+    body: bytes,
+    retry_count: str = "",
+    db=in_lane,
+) -> Reply:
+    """``POST /agents/{agent_id}/v1/chat/completions``; every failure is a Reply in OpenAI's error shape.
+
+    ``db`` runs the database operations: this process's lane (``in_lane``), or, for Django's
+    route, ``lane.in_thread``.
+    """
+    try:
+        return await _chat_completion(agent_id, authorization, content_type, body, retry_count, db)
+    except GatewayError as exc:
+        return Reply.error(exc)
+
+
+async def _chat_completion(agent_id, authorization, content_type, body, retry_count, db) -> Reply:
+    started = time.perf_counter()
+    chat = parse_chat_request(parse_json_body(body, content_type))
+    fingerprint = chat.fingerprint()
+    turn = await db(
+        turns.begin(
+            token=bearer_token(authorization),
+            agent_id=agent_id,
+            fingerprint=fingerprint,
+            is_retry=_is_retry(retry_count),
+        )
+    )
+    if turn.replay is not None:
+        return _respond(chat, turn.replay)
+    try:
+        return await _generate_and_record(chat, turn, fingerprint, started, db)
+    except BaseException:
+        if turn.opened:
+            await asyncio.shield(db(turns.discard(session_id=turn.session_id, run_id=turn.run.id)))
+        raise
+
+
+async def _generate_and_record(
+    chat: ChatRequest, turn: turns.Turn, fingerprint: str, started: float, db
+) -> Reply:
+    run, previous = turn.run, turn.previous
+    tok = await _tokenizer(run.base_model)
+    try:
+        prompt = build_prompt(tok, chat.messages, chat.rendered_tools, previous)
+    except ChatTemplateError as exc:
+        raise bad_request(str(exc), param="messages") from None
+    max_new = min(chat.max_tokens, settings.GATEWAY_MAX_NEW_TOKENS)
+    sampling = chat.sampling_params(max_new_tokens=max_new, stop_token_ids=tok.eos_token_ids)
+    generation = await generate(
+        run_id=run.id,
+        sticky=turn.sticky_server,
+        input_ids=prompt.input_ids,
+        sampling_params=sampling,
+        n=chat.n,
+        seed=chat.seed,
+        top_logprobs=chat.top_logprobs,
+    )
+    interaction_id = f"chatcmpl-{uuid.uuid4().hex}"
+    response, outputs = _completion(
+        chat, tok, run.base_model, interaction_id, prompt.input_ids, generation.results
+    )
+    chosen = (
+        prompt.chosen
+        if prompt.chosen is not None
+        else (continued_choice(chat.messages, previous) if previous else None)
+    )
+    recorded = await db(
+        turns.record(
+            session_id=turn.session_id,
+            interaction_id=interaction_id,
+            request_hash=fingerprint,
+            messages=chat.messages,
+            tools=chat.tools,
+            sampling=sampling | {"n": chat.n, "seed": chat.seed},
+            input_ids=prompt.input_ids,
+            prefix_reused=prompt.reused,
+            outputs=outputs,
+            response=response,
+            server_url=generation.server_url,
+            latency_ms=(time.perf_counter() - started) * 1000,
+            previous_chosen=chosen,
+        )
+    )
+    return _respond(chat, recorded)
+
+
+def _is_retry(retry_count: str) -> bool:
+    try:
+        return int(retry_count or "0") > 0
+    except ValueError:
+        return False
+
+
+def _respond(chat: ChatRequest, response: dict) -> Reply:
+    if not chat.stream:
+        return Reply.json(response)
+    return Reply(
+        200,
+        stream=_sse(chat, response),
+        headers={
+            "Content-Type": "text/event-stream",
+            "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no",
+        },
+    )
+
+
+def _completion(
+    chat: ChatRequest, tok, base_model: str, interaction_id: str, input_ids: list[int], results
+) -> tuple[dict, list[dict]]:
+    choices, outputs = [], []
+    completion_tokens = 0
+    for index, result in enumerate(results):
+        text = _trim_stop(storable_text(tok.decode(result.output_ids)), chat.stop)
+        content, tool_calls = parse_tool_calls(text) if chat.rendered_tools else (text, [])
+        finish = (
+            "tool_calls"
+            if tool_calls
+            else ("length" if result.finish_reason in ("length", "abort") else "stop")
+        )
+        message = {"role": "assistant", "content": content if content or not tool_calls else None}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        choice = {
+            "index": index,
+            "message": message,
+            "finish_reason": finish,
+            "logprobs": _logprobs(chat, tok, result) if chat.logprobs else None,
+        }
+        choices.append(choice)
+        outputs.append(
+            {
+                "output_ids": result.output_ids,
+                "logprobs": result.output_logprobs,
+                "versions": result.versions,
+                "finish_reason": result.finish_reason,
+                "text": text,
+            }
+        )
+        completion_tokens += len(result.output_ids)
+    response = {
+        "id": interaction_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model_id(base_model),
+        "system_fingerprint": f"steep-v{max((max(r.versions, default=0) for r in results), default=0)}",
+        "choices": choices,
+        "usage": {
+            "prompt_tokens": len(input_ids),
+            "completion_tokens": completion_tokens,
+            "total_tokens": len(input_ids) + completion_tokens,
+        },
+    }
+    return response, outputs
+
+
+def _trim_stop(text: str, stops: list[str]) -> str:
+    cut = min((text.find(s) for s in stops if s and s in text), default=-1)
+    return text[:cut] if cut >= 0 else text
+
+
+def _logprobs(chat: ChatRequest, tok, result) -> dict:
+    content = []
+    for position, (token_id, logprob) in enumerate(
+        zip(result.output_ids, result.output_logprobs, strict=True)
+    ):
+        text = tok.token_text(token_id)
+        entry = {
+            "token": storable_text(text),
+            "logprob": logprob,
+            "bytes": list(text.encode()),
+            "top_logprobs": [],
+        }
+        if chat.top_logprobs and result.top_logprobs and position < len(result.top_logprobs):
+            for top_lp, top_id in result.top_logprobs[position][: chat.top_logprobs]:
+                top_text = tok.token_text(top_id)
+                entry["top_logprobs"].append(
+                    {
+                        "token": storable_text(top_text),
+                        "logprob": top_lp,
+                        "bytes": list(top_text.encode()),
+                    }
+                )
+        content.append(entry)
+    return {"content": content, "refusal": None}
+
+
+async def _sse(chat: ChatRequest, response: dict):
+    """OpenAI's chunk stream for a recorded completion: role, content pieces, finish, usage, [DONE]."""
+
+    def chunk(choices: list[dict], usage=None) -> bytes:
+        body = {
+            "id": response["id"],
+            "object": "chat.completion.chunk",
+            "created": response["created"],
+            "model": response["model"],
+            "system_fingerprint": response.get("system_fingerprint"),
+            "choices": choices,
+        }
+        if chat.include_usage:
+            body["usage"] = usage
+        return f"data: {json.dumps(body)}\n\n".encode()
+
+    for choice in response["choices"]:
+        index, message = choice["index"], choice["message"]
+        yield chunk(
+            [
+                {
+                    "index": index,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            ]
+        )
+        logprob_items = (choice.get("logprobs") or {}).get("content") or []
+        if logprob_items:
+            for item in logprob_items:
+                yield chunk(
+                    [
+                        {
+                            "index": index,
+                            "delta": {"content": item["token"]},
+                            "logprobs": {"content": [item], "refusal": None},
+                            "finish_reason": None,
+                        }
+                    ]
+                )
+        elif message.get("content"):
+            for piece in _pieces(message["content"]):
+                yield chunk(
+                    [
+                        {
+                            "index": index,
+                            "delta": {"content": piece},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ]
+                )
+        for position, call in enumerate(message.get("tool_calls") or []):
+            yield chunk(
+                [
+                    {
+                        "index": index,
+                        "delta": {"tool_calls": [{"index": position, **call}]},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ]
+            )
+        yield chunk(
+            [
+                {
+                    "index": index,
+                    "delta": {},
+                    "logprobs": None,
+                    "finish_reason": choice["finish_reason"],
+                }
+            ]
+        )
+    if chat.include_usage:
+        yield chunk([], usage=response["usage"])
+    yield b"data: [DONE]\n\n"
+
+
+def _pieces(text: str, size: int = 16):
+    for start in range(0, len(text), size):
+        yield text[start : start + size]

@@ -1,0 +1,481 @@
+"""The chat-completion hot path's database work, as lane operations (``webapp.gateway.lane``).
+
+A completion touches the database twice:
+
+1. ``begin(...)``: authenticate the bearer (project key or session key) for the agent,
+   count it against the key's rate limit, check the agent's run is serving, then either
+   load the session's last turn (token-exact continuation, retry dedup) or, for a
+   project key, admit and open a one-turn session (``admission.admit``);
+2. ``record(...)``: store the turn (the interaction row, the session's counters) and
+   return the response to send, which for a retry overlapping its original is the
+   original's.
+
+``discard`` removes a one-turn session whose request failed before anything was recorded.
+Each is a plain function of a DB-API cursor with hand-written SQL: the ORM's per-query
+cost was most of the gateway's latency (docs/benchmarks.md). ``authenticate`` is also the
+one implementation of the gateway's auth rules for the ORM services.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from django.conf import settings
+from django.db import connection
+from django.utils import timezone
+from django.utils.dateparse import parse_datetime
+
+from webapp import ratelimit
+from webapp.accounts.keys import SESSION_KEY_PREFIX, hash_key
+from webapp.accounts.models import APIKey
+from webapp.agents.models import Agent
+from webapp.gateway import admission
+from webapp.gateway.errors import GatewayError
+from webapp.gateway.models import Interaction, Session
+from webapp.gateway.prompts import PreviousTurn
+from webapp.runs.models import Run
+
+LAST_USED_RESOLUTION = timedelta(minutes=1)  # as webapp.accounts.services
+REPLAY_WINDOW = timedelta(minutes=10)  # how long a one-turn completion answers an SDK retry
+
+_KEYS, _AGENTS, _RUNS = APIKey._meta.db_table, Agent._meta.db_table, Run._meta.db_table
+_SESSIONS, _INTERACTIONS = Session._meta.db_table, Interaction._meta.db_table
+_RUN_COLUMNS = "r.id, r.name, r.status, r.weight_version, r.config, r.base_model, r.created_at"
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    id: uuid.UUID
+    name: str
+    status: str
+    weight_version: int
+    config: dict
+    base_model: str
+    created_at: datetime
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who is calling which agent: the agent (with its run) and, for a session key, the session."""
+
+    agent_id: uuid.UUID
+    agent_name: str
+    project_id: Any
+    key_hash: str
+    run: RunInfo | None
+    session_id: uuid.UUID | None = None
+    session_status: str | None = None
+    session_server: str = ""
+    session_turns: int = 0
+
+
+@dataclass(frozen=True)
+class Turn:
+    """What ``begin`` found or opened for one completion."""
+
+    caller: Caller
+    run: RunInfo
+    session_id: uuid.UUID
+    opened: bool  # a one-turn session opened for this request (discard it if the request fails)
+    sticky_server: str
+    previous: PreviousTurn | None = None
+    replay: dict | None = None  # an SDK retry: answer this recorded response, record nothing
+
+
+# --- Values as the database returns them -------------------------------------------------
+
+
+def _uuid(value) -> uuid.UUID | None:
+    if value is None or isinstance(value, uuid.UUID):
+        return value
+    return uuid.UUID(str(value))
+
+
+def _json(value):
+    return json.loads(value) if isinstance(value, str | bytes) else value
+
+
+def _datetime(value) -> datetime | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = parse_datetime(value)
+    return value if timezone.is_aware(value) else timezone.make_aware(value, UTC)
+
+
+def _run(row) -> RunInfo | None:
+    if row[0] is None:
+        return None
+    return RunInfo(
+        id=_uuid(row[0]),
+        name=row[1],
+        status=row[2],
+        weight_version=int(row[3]),
+        config=_json(row[4]) or {},
+        base_model=row[5],
+        created_at=_datetime(row[6]),
+    )
+
+
+def _pk(model, value):
+    return model._meta.pk.get_db_prep_value(value, connection)
+
+
+def _for_update() -> str:
+    return " FOR UPDATE" if connection.features.has_select_for_update else ""
+
+
+@functools.cache
+def _insert_statement(model, names: tuple[str, ...]) -> tuple[str, list]:
+    fields = [model._meta.get_field(name) for name in names]
+    columns = ", ".join(field.column for field in fields)
+    marks = ", ".join(["%s"] * len(fields))
+    return f"INSERT INTO {model._meta.db_table} ({columns}) VALUES ({marks})", fields
+
+
+def _insert(cursor, model, values: dict[str, Any]) -> None:
+    statement, fields = _insert_statement(model, tuple(values))
+    cursor.execute(
+        statement, [field.get_db_prep_save(values[field.name], connection) for field in fields]
+    )
+
+
+# --- Authentication ----------------------------------------------------------------------
+
+
+def _agent_uuid(agent_id) -> uuid.UUID:
+    try:
+        return _uuid(agent_id)
+    except ValueError:
+        raise GatewayError(404, f"Agent {agent_id} not found.", code="agent_not_found") from None
+
+
+def missing_key() -> GatewayError:
+    return GatewayError(
+        401, "Missing API key: send 'Authorization: Bearer <key>'.", code="invalid_api_key"
+    )
+
+
+def authenticate(cursor, *, token: str | None, agent_id) -> Caller:
+    """A project key of the agent's project, or a session key of this agent; 401/404 otherwise."""
+    if not token:
+        raise missing_key()
+    agent_uuid = _agent_uuid(agent_id)
+    key_hash = hash_key(token)
+    if token.startswith(SESSION_KEY_PREFIX):
+        cursor.execute(
+            f"SELECT s.id, s.status, s.server_url, s.interaction_count, s.agent_id, a.name,"
+            f" a.project_id, {_RUN_COLUMNS} FROM {_SESSIONS} s"
+            f" JOIN {_AGENTS} a ON a.id = s.agent_id LEFT JOIN {_RUNS} r ON r.id = a.run_id"
+            " WHERE s.key_hash = %s",
+            [key_hash],
+        )
+        row = cursor.fetchone()
+        if row is None:
+            raise GatewayError(401, "Invalid or superseded session key.", code="invalid_api_key")
+        if _uuid(row[4]) != agent_uuid:
+            raise GatewayError(404, f"Agent {agent_id} not found.", code="agent_not_found")
+        return Caller(
+            agent_id=agent_uuid,
+            agent_name=row[5],
+            project_id=row[6],
+            key_hash=key_hash,
+            run=_run(row[7:]),
+            session_id=_uuid(row[0]),
+            session_status=row[1],
+            session_server=row[2] or "",
+            session_turns=int(row[3]),
+        )
+    cursor.execute(
+        f"SELECT k.id, k.project_id, k.revoked_at, k.expires_at, k.last_used_at, a.id, a.name,"
+        f" {_RUN_COLUMNS} FROM {_KEYS} k"
+        f" LEFT JOIN {_AGENTS} a ON a.project_id = k.project_id AND a.id = %s"
+        f" LEFT JOIN {_RUNS} r ON r.id = a.run_id WHERE k.hashed = %s",
+        [_pk(Agent, agent_uuid), key_hash],
+    )
+    row = cursor.fetchone()
+    now = timezone.now()
+    if row is None or row[2] is not None or (row[3] is not None and _datetime(row[3]) <= now):
+        raise GatewayError(401, "Invalid, expired or revoked API key.", code="invalid_api_key")
+    last_used = _datetime(row[4])
+    if last_used is None or now - last_used > LAST_USED_RESOLUTION:
+        cursor.execute(
+            f"UPDATE {_KEYS} SET last_used_at = %s WHERE id = %s",
+            [APIKey._meta.get_field("last_used_at").get_db_prep_save(now, connection), row[0]],
+        )
+    if row[5] is None:
+        raise GatewayError(404, f"Agent {agent_id} not found.", code="agent_not_found")
+    return Caller(
+        agent_id=agent_uuid,
+        agent_name=row[6],
+        project_id=row[1],
+        key_hash=key_hash,
+        run=_run(row[7:]),
+    )
+
+
+def rate_limit(caller: Caller) -> None:
+    """Count one request against the key's per-minute limit (off when the setting is 0)."""
+    limit = settings.RATE_LIMIT_GATEWAY_PER_MIN
+    if limit <= 0:
+        return
+    limited = ratelimit.hit(f"gw:{caller.key_hash[:32]}", limit=limit)
+    if limited is not None:
+        raise GatewayError(
+            429,
+            f"Rate limit of {limit} requests per minute exceeded for this key; retry after {limited.retry_after} s.",
+            code="rate_limit_exceeded",
+            retry_after=limited.retry_after,
+        )
+
+
+def serving(caller: Caller) -> RunInfo:
+    """The caller's run if it can serve now; otherwise a 503 that says what to start."""
+    run = caller.run
+    if run is None:
+        raise GatewayError(
+            503,
+            f"Agent '{caller.agent_name}' has no run. Bind it to a run and start the run.",
+            code="no_run",
+        )
+    if run.status != Run.Status.RUNNING:
+        raise GatewayError(
+            503,
+            f"Run '{run.name}' is {run.status}, not running. Start it from the dashboard or POST /api/v1/runs/{run.id}/start/.",
+            code="run_not_running",
+        )
+    return run
+
+
+def session_gone(session_id, status: str) -> GatewayError | None:
+    """The error for a request on a session that is no longer open (None when it is open)."""
+    if status == Session.Status.EXPIRED:
+        return GatewayError(
+            410,
+            f"Session {session_id} expired after {settings.SESSION_IDLE_TIMEOUT_S} s idle; start a new one with POST /rl/start_session.",
+            code="session_expired",
+        )
+    if status != Session.Status.OPEN:
+        return GatewayError(
+            409,
+            f"Session {session_id} has ended; start a new one with POST /rl/start_session.",
+            code="session_ended",
+        )
+    return None
+
+
+def budget_full(cursor, run: RunInfo) -> GatewayError:
+    cursor.execute(
+        f"SELECT status, weight_version, sessions_open, sessions_accepted FROM {_RUNS} WHERE id = %s",
+        [admission.run_pk(run.id)],
+    )
+    status, version, running, accepted = cursor.fetchone()
+    if status != Run.Status.RUNNING:
+        return GatewayError(
+            503,
+            f"Run '{run.name}' is {status}, not running. Start it from the dashboard or POST /api/v1/runs/{run.id}/start/.",
+            code="run_not_running",
+        )
+    max_staleness, _, _ = admission.budget(run.config)
+    return GatewayError(
+        429,
+        f"The run's staleness budget is full ({accepted} accepted + {running} running episodes "
+        f"at policy version {version}, max_staleness {max_staleness}). Retry after training catches up.",
+        code="staleness_budget_full",
+        retry_after=settings.GATEWAY_RETRY_AFTER_S,
+    )
+
+
+# --- The two trips of a completion -------------------------------------------------------
+
+
+def begin(*, token: str | None, agent_id, fingerprint: str, is_retry: bool):
+    """The operation that starts a completion; returns a ``Turn``."""
+
+    def operation(cursor) -> Turn:
+        caller = authenticate(cursor, token=token, agent_id=agent_id)
+        rate_limit(caller)
+        run = serving(caller)
+        if caller.session_id is not None:
+            gone = session_gone(caller.session_id, caller.session_status)
+            if gone is not None:
+                raise gone
+            previous, last = _last_turn(cursor, caller.session_id, caller.session_turns)
+            if last is not None and last["request_hash"] == fingerprint:
+                # An SDK retry of the last turn: same answer, nothing recorded twice.
+                return Turn(caller, run, caller.session_id, False, "", replay=last["response"])
+            return Turn(
+                caller, run, caller.session_id, False, caller.session_server, previous=previous
+            )
+        if is_retry:
+            replay = _recent_replay(cursor, caller.agent_id, fingerprint)
+            if replay is not None:
+                return Turn(caller, run, uuid.uuid4(), False, "", replay=replay)
+        if not admission.admit(cursor, run_id=run.id, config=run.config):
+            raise budget_full(cursor, run)
+        session_id, now = uuid.uuid4(), timezone.now()
+        _insert(
+            cursor,
+            Session,
+            {
+                "id": session_id,
+                "project": caller.project_id,
+                "agent": caller.agent_id,
+                "run": run.id,
+                "key_hash": None,
+                "one_turn": True,
+                "task_id": "",
+                "metadata": {},
+                "status": Session.Status.OPEN,
+                "trajectory": Session.Trajectory.PENDING,
+                "admitted_version": run.weight_version,
+                "interaction_count": 0,
+                "server_url": "",
+                "created_at": now,
+                "last_activity_at": now,
+            },
+        )
+        return Turn(caller, run, session_id, True, "")
+
+    return operation
+
+
+def _last_turn(cursor, session_id, turns: int) -> tuple[PreviousTurn | None, dict | None]:
+    if turns == 0:
+        return None, None
+    cursor.execute(
+        f"SELECT request_hash, messages, tools, input_ids, outputs, response FROM {_INTERACTIONS}"
+        " WHERE session_id = %s AND turn = %s",
+        [_pk(Session, session_id), turns - 1],
+    )
+    row = cursor.fetchone()
+    if row is None:
+        return None, None
+    outputs, response = _json(row[4]), _json(row[5])
+    previous = PreviousTurn(
+        messages=_json(row[1]),
+        tools=_json(row[2]),
+        input_ids=_json(row[3]),
+        choices=[
+            {"output_ids": out["output_ids"], "message": choice["message"]}
+            for out, choice in zip(outputs, response["choices"], strict=True)
+        ],
+    )
+    return previous, {"request_hash": row[0], "response": response}
+
+
+def _recent_replay(cursor, agent_id, fingerprint: str) -> dict | None:
+    """A one-turn completion of this agent with the same request, recorded recently."""
+    since = Interaction._meta.get_field("created_at").get_db_prep_save(
+        timezone.now() - REPLAY_WINDOW, connection
+    )
+    cursor.execute(
+        f"SELECT i.response FROM {_INTERACTIONS} i JOIN {_SESSIONS} s ON s.id = i.session_id"
+        " WHERE s.agent_id = %s AND s.one_turn = %s AND i.request_hash = %s AND i.created_at >= %s"
+        " ORDER BY i.created_at DESC LIMIT 1",
+        [_pk(Agent, agent_id), True, fingerprint, since],
+    )
+    row = cursor.fetchone()
+    return None if row is None else _json(row[0])
+
+
+def record(
+    *,
+    session_id,
+    interaction_id: str,
+    request_hash: str,
+    messages: list,
+    tools,
+    sampling: dict,
+    input_ids: list[int],
+    prefix_reused: bool,
+    outputs: list[dict],
+    response: dict,
+    server_url: str,
+    latency_ms: float,
+    previous_chosen: int | None,
+):
+    """The operation that stores one turn; returns the response to send (the original's, for a
+    retry that overlapped it)."""
+
+    def operation(cursor) -> dict:
+        session_pk = _pk(Session, session_id)
+        cursor.execute(
+            f"SELECT status, interaction_count FROM {_SESSIONS} WHERE id = %s{_for_update()}",
+            [session_pk],
+        )
+        row = cursor.fetchone()
+        if row is None or row[0] != Session.Status.OPEN:
+            raise GatewayError(
+                409,
+                f"Session {session_id} ended while the request was in flight.",
+                code="session_ended",
+            )
+        turn = int(row[1])
+        if turn > 0:
+            cursor.execute(
+                f"SELECT request_hash, response FROM {_INTERACTIONS} WHERE session_id = %s AND turn = %s",
+                [session_pk, turn - 1],
+            )
+            last = cursor.fetchone()
+            if last is not None and last[0] == request_hash:
+                return _json(last[1])  # a retry that overlapped its original: the first answer only
+            if previous_chosen is not None:
+                cursor.execute(
+                    f"UPDATE {_INTERACTIONS} SET chosen = %s WHERE session_id = %s AND turn = %s",
+                    [previous_chosen, session_pk, turn - 1],
+                )
+        now = timezone.now()
+        _insert(
+            cursor,
+            Interaction,
+            {
+                "id": interaction_id,
+                "session": session_id,
+                "turn": turn,
+                "request_hash": request_hash,
+                "messages": messages,
+                "tools": tools,
+                "sampling": sampling,
+                "input_ids": input_ids,
+                "prefix_reused": prefix_reused,
+                "outputs": outputs,
+                "chosen": 0,
+                "response": response,
+                "server_url": server_url,
+                "latency_ms": latency_ms,
+                "created_at": now,
+            },
+        )
+        cursor.execute(
+            f"UPDATE {_SESSIONS} SET interaction_count = %s, last_activity_at = %s, server_url = %s"
+            " WHERE id = %s",
+            [
+                turn + 1,
+                Session._meta.get_field("last_activity_at").get_db_prep_save(now, connection),
+                server_url,
+                session_pk,
+            ],
+        )
+        return response
+
+    return operation
+
+
+def discard(*, session_id, run_id):
+    """The operation that removes a one-turn session whose request failed before it was recorded."""
+
+    def operation(cursor) -> None:
+        cursor.execute(
+            f"DELETE FROM {_SESSIONS} WHERE id = %s AND status = %s AND interaction_count = 0",
+            [_pk(Session, session_id), Session.Status.OPEN],
+        )
+        if cursor.rowcount:
+            admission.count(cursor, run_id, opened=-1)
+
+    return operation
