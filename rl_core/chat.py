@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import uuid
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -49,6 +51,11 @@ class ChatTokenizer:
     special_tokens: dict[str, str | None]
     eos_token_ids: list[int]
     path: str
+    # render + encode, memoized (see encode_messages)
+    _prompts: OrderedDict = field(default_factory=OrderedDict, repr=False, compare=False)
+    _prompts_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    PROMPT_CACHE_SIZE: ClassVar[int] = 2048
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ChatTokenizer:
@@ -97,6 +104,24 @@ class ChatTokenizer:
             raise
         except (jinja2.TemplateError, TypeError) as exc:  # TypeError: e.g. "name: " + 5
             raise ChatTemplateError(f"the chat template failed on these messages: {exc}") from None
+
+    def encode_messages(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """``encode(render(messages, tools=tools))``, remembered for the last few thousand
+        distinct prompts: RL sends one prompt many times (a group of samples per task, the
+        same system prompt and task set every epoch), and rendering is deterministic (the
+        template sees only the messages, the tools and the special tokens)."""
+        key = json.dumps([messages, tools], sort_keys=True, ensure_ascii=False)
+        with self._prompts_lock:
+            ids = self._prompts.get(key)
+            if ids is not None:
+                self._prompts.move_to_end(key)
+                return list(ids)
+        ids = self.encode(self.render(messages, tools=tools))
+        with self._prompts_lock:
+            self._prompts[key] = tuple(ids)
+            if len(self._prompts) > self.PROMPT_CACHE_SIZE:
+                self._prompts.popitem(last=False)
+        return ids
 
     def encode(self, text: str) -> list[int]:
         # The template already wrote every special token, so none are added here.

@@ -2,7 +2,7 @@
 
 The web process imports this module (the gateway talks to inference servers
 through it), so it must never import torch or transformers: it depends on
-httpx only.
+httpx and httptools (``http1``) only.
 
 A generation that a weight update interrupts is resumed transparently. The
 trainer pauses the servers (``/pause_generation``, mode ``abort``), which ends
@@ -32,13 +32,15 @@ from typing import Any
 
 import httpx
 
+from rl_core.inference.http1 import Http1Pool, HTTPConnectionError
+
 __all__ = [
-    "AiohttpInferenceClient",
     "GenerateChunk",
     "GenerateResult",
     "InferenceClient",
     "InferenceError",
     "InferenceUnavailable",
+    "PooledInferenceClient",
     "parse_weight_version",
 ]
 
@@ -567,45 +569,24 @@ def _error(status: int, text: str, what: str) -> InferenceError:
     return cls(f"{what} -> {status}: {message}", status=status, body=body)
 
 
-class AiohttpInferenceClient(InferenceClient):
-    """``InferenceClient`` whose ``/generate`` calls go through aiohttp.
+class PooledInferenceClient(InferenceClient):
+    """``InferenceClient`` whose ``/generate`` calls go through ``Http1Pool``.
 
-    The gateway's hot path: per request, aiohttp's client costs about a sixth of httpx's
-    CPU (docs/benchmarks.md). Everything else (control calls, streaming) uses httpx as
-    the base class does. Create and use it inside one event loop.
+    The gateway's hot path: per request, the pool costs a fraction of httpx's CPU and
+    latency (docs/benchmarks.md). Everything else (control calls, streaming) uses httpx
+    as the base class does. Create and use it inside one event loop.
     """
 
     def __init__(self, base_url: str, **kwargs: Any):
         super().__init__(base_url, **kwargs)
-        self._session = None
-
-    def _aiohttp(self):
-        import aiohttp
-
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                # Idle connections are dropped before servers drop them (uvicorn: after 5 s).
-                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4),
-                timeout=aiohttp.ClientTimeout(total=None, connect=10.0),
-            )
-        return self._session
+        self._pool = Http1Pool(self.base_url)
 
     async def _post_generate(self, body: dict[str, Any]) -> Any:
-        import aiohttp
-
-        url = self.base_url + "/generate"
-        for attempt in (1, 2):
-            try:
-                async with self._aiohttp().post(url, json=body) as response:
-                    text = await response.text()
-                    status = response.status
-                break
-            except aiohttp.ServerDisconnectedError as exc:
-                # A kept-alive connection the server closed as we reused it: once more, fresh.
-                if attempt == 2:
-                    raise InferenceUnavailable(f"POST {url}: {exc!r}") from exc
-            except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-                raise InferenceUnavailable(f"POST {url}: {exc!r}") from exc
+        try:
+            status, payload = await self._pool.post_json("/generate", json.dumps(body).encode())
+        except HTTPConnectionError as exc:
+            raise InferenceUnavailable(f"POST {self.base_url}/generate: {exc}") from exc
+        text = payload.decode("utf-8", "replace")
         if status >= 400:
             raise _error(status, text, "POST /generate")
         try:
@@ -616,8 +597,7 @@ class AiohttpInferenceClient(InferenceClient):
             ) from None
 
     async def aclose(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        await self._pool.close()
         await super().aclose()
 
 

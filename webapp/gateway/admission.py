@@ -28,9 +28,9 @@ ACCEPTED = ("ready", "claimed", "trained")  # Session.Trajectory values that hol
 _RUN = Run._meta.db_table
 
 
-def run_pk(run_id):
+def run_pk(cursor, run_id):
     """``run_id`` as the database stores it (a hex string on SQLite, a UUID on Postgres)."""
-    return Run._meta.pk.get_db_prep_value(run_id, connection)
+    return Run._meta.pk.get_db_prep_value(run_id, cursor.db)
 
 
 def budget(config: dict) -> tuple[int, int, int]:
@@ -50,7 +50,7 @@ def admit(cursor, *, run_id, config: dict) -> bool:
         " WHERE id = %s AND status = 'running'"
         " AND sessions_open + sessions_accepted < (%s + weight_version + 1) * %s"
         " AND (%s = 0 OR sessions_open < %s)",
-        [run_pk(run_id), max_staleness, batch_size, max_concurrent, max_concurrent],
+        [run_pk(cursor, run_id), max_staleness, batch_size, max_concurrent, max_concurrent],
     )
     return cursor.rowcount == 1
 
@@ -62,7 +62,7 @@ def count(cursor, run_id, *, opened: int = 0, accepted: int = 0) -> None:
     cursor.execute(
         f"UPDATE {_RUN} SET sessions_open = sessions_open + %s,"
         " sessions_accepted = sessions_accepted + %s WHERE id = %s",
-        [opened, accepted, run_pk(run_id)],
+        [opened, accepted, run_pk(cursor, run_id)],
     )
 
 
@@ -72,7 +72,7 @@ def refresh(cursor, run_id) -> None:
 
     sessions = Session._meta.db_table
     marks = ", ".join(["%s"] * len(ACCEPTED))
-    pk = run_pk(run_id)
+    pk = run_pk(cursor, run_id)
     cursor.execute(
         f"UPDATE {_RUN} SET"
         f" sessions_open = (SELECT COUNT(*) FROM {sessions} WHERE run_id = %s AND status = 'open'),"

@@ -89,10 +89,10 @@ async def _tokenizer(base_model: str) -> ChatTokenizer:
 _TOKENIZERS: dict[str, ChatTokenizer] = {}
 
 
-async def in_lane(operation):
+async def in_lane(operation, *, durable: bool = True):
     """Run an operation in this process's lane; a batch that could not commit is a 503."""
     try:
-        return await lane().run(operation)
+        return await lane().run(operation, durable=durable)
     except LaneError as exc:
         raise GatewayError(
             503, f"{exc} Retry shortly.", code="database_unavailable", retry_after=1
@@ -129,7 +129,8 @@ async def _chat_completion(agent_id, authorization, content_type, body, retry_co
             agent_id=agent_id,
             fingerprint=fingerprint,
             is_retry=_is_retry(retry_count),
-        )
+        ),
+        durable=False,  # an admission slot lost in an OS crash is recounted by the reconciler
     )
     if turn.replay is not None:
         return _respond(chat, turn.replay)
@@ -137,7 +138,7 @@ async def _chat_completion(agent_id, authorization, content_type, body, retry_co
         return await _generate_and_record(chat, turn, fingerprint, started, db)
     except BaseException:
         if turn.opened:
-            await asyncio.shield(db(turns.discard(session_id=turn.session_id, run_id=turn.run.id)))
+            await asyncio.shield(db(turns.discard(turn=turn), durable=False))
         raise
 
 
@@ -172,7 +173,7 @@ async def _generate_and_record(
     )
     recorded = await db(
         turns.record(
-            session_id=turn.session_id,
+            turn=turn,
             interaction_id=interaction_id,
             request_hash=fingerprint,
             messages=chat.messages,

@@ -10,16 +10,16 @@ from dataclasses import dataclass
 from asgiref.sync import sync_to_async
 
 from rl_core.inference.client import (
-    AiohttpInferenceClient,
     GenerateResult,
     InferenceError,
     InferenceUnavailable,
+    PooledInferenceClient,
 )
 from webapp.gateway import selectors
 from webapp.gateway.errors import GatewayError
 from webapp.gateway.services import inference_server_mark_down, inference_server_mark_up
 
-_CLIENTS: dict[tuple[int, str], AiohttpInferenceClient] = {}
+_CLIENTS: dict[tuple[int, str], PooledInferenceClient] = {}
 
 # A run's serving servers, per process, re-read at most every SERVERS_TTL_S (and at once after a
 # failure here): the list changes when servers are attached, stopped or marked down, rarely.
@@ -27,12 +27,26 @@ SERVERS_TTL_S = 1.0
 _SERVERS: dict[object, tuple[float, list[tuple[str, bool]]]] = {}
 
 
+_READING: dict[tuple[int, object], asyncio.Future] = {}  # reads in flight, per loop and run
+
+
 async def _candidates(run_id, sticky: str) -> list[tuple[str, bool]]:
     cached = _SERVERS.get(run_id)
     if cached is not None and cached[0] > time.monotonic():
         return selectors.order_candidates(cached[1], sticky)
+    # When the entry expires under load, one request reads the list; the others wait for it.
+    key = (id(asyncio.get_running_loop()), run_id)
+    reading = _READING.get(key)
+    if reading is None:
+        reading = _READING[key] = asyncio.ensure_future(_read_servers(run_id))
+        reading.add_done_callback(lambda _: _READING.pop(key, None))
+    servers = await asyncio.shield(reading)
+    return selectors.order_candidates(servers, sticky)
+
+
+async def _read_servers(run_id) -> list[tuple[str, bool]]:
     servers = await sync_to_async(selectors.server_candidates, thread_sensitive=False)(
-        run_id=run_id, sticky=sticky
+        run_id=run_id
     )
     if servers:  # an empty list is not cached: a server attached now is used at once
         _SERVERS[run_id] = (time.monotonic() + SERVERS_TTL_S, servers)
@@ -44,12 +58,12 @@ async def _mark_down(run_id, url: str) -> None:
     await sync_to_async(inference_server_mark_down, thread_sensitive=False)(run_id=run_id, url=url)
 
 
-def _client(url: str) -> AiohttpInferenceClient:
+def _client(url: str) -> PooledInferenceClient:
     # One pooled HTTP client per event loop and server: HTTP clients are bound to their loop.
     key = (id(asyncio.get_running_loop()), url)
     client = _CLIENTS.get(key)
     if client is None:
-        client = _CLIENTS[key] = AiohttpInferenceClient(url)
+        client = _CLIENTS[key] = PooledInferenceClient(url)
     return client
 
 

@@ -3,9 +3,10 @@
 Chat completions reach the database twice (``webapp.gateway.turns``: authenticate and
 admit, then record the turn). Each is an *operation*: a function of a DB-API cursor that
 reads, writes and returns plain data, or raises. Operations are queued to this
-process's lane thread, which takes everything queued, runs it in **one transaction**
-(each operation inside its own savepoint, so one failure does not undo the others) and
-commits once: group commit. Only after the commit returns are the callers' futures
+process's lane thread, which takes everything queued, runs it in **one transaction** and commits
+once: group commit. Operations raise ``GatewayError`` only before they write; any other
+failure rolls the batch back and its operations are retried one transaction each, so
+one bad operation never undoes the others. Only after the commit returns are the callers' futures
 resolved, so nothing is acknowledged before it is durable, and under load one fsync
 (SQLite) or one commit round trip (PostgreSQL) covers many requests.
 
@@ -26,7 +27,9 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from asgiref.sync import sync_to_async
-from django.db import DatabaseError, connection, transaction
+from django.db import DEFAULT_DB_ALIAS, connection, connections, transaction
+
+from webapp.gateway.errors import GatewayError
 
 logger = logging.getLogger(__name__)
 
@@ -44,15 +47,21 @@ class Lane:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
+        self._synchronous: tuple[int, str] | None = None  # (connection, PRAGMA synchronous)
         self.batches = 0  # statistics, for tests and benchmarks
         self.operations = 0
 
-    async def run(self, operation: Operation[T]) -> T:
-        """Run ``operation(cursor)`` in the lane; return its result once its batch has committed."""
+    async def run(self, operation: Operation[T], *, durable: bool = True) -> T:
+        """Run ``operation(cursor)`` in the lane; return its result once its batch has committed.
+
+        ``durable=False``: the operation's writes may be lost in a power failure or OS crash
+        (not in a process crash). Such a batch commits without waiting for the disk unless a
+        durable operation shares it; the next durable commit makes them durable too.
+        """
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         self._ensure_started()
-        self._queue.put((operation, loop, future))
+        self._queue.put((operation, loop, future, durable))
         return await future
 
     def _ensure_started(self) -> None:
@@ -72,53 +81,119 @@ class Lane:
                 except queue.Empty:
                     break
             outcomes = self._run_batch(batch)
-            for (_, loop, future), outcome in zip(batch, outcomes, strict=True):
-                loop.call_soon_threadsafe(_settle, future, outcome)
+            # One wake-up per event loop and batch, not per operation: each is a syscall.
+            by_loop: dict[Any, list] = {}
+            for (_, loop, future, _), outcome in zip(batch, outcomes, strict=True):
+                by_loop.setdefault(loop, []).append((future, outcome))
+            for loop, settled in by_loop.items():
+                loop.call_soon_threadsafe(_settle_all, settled)
 
     def _run_batch(self, batch: list) -> list[tuple[bool, Any]]:
-        outcomes: list[tuple[bool, Any]] = []
+        """Run the batch in one transaction; if an operation fails unexpectedly (anything but
+        a GatewayError, which operations raise before they write), roll the batch back and
+        run each operation in a transaction of its own, so the others still take effect."""
+        durable = any(entry[3] for entry in batch)
         try:
-            with transaction.atomic(), connection.cursor() as cursor:
-                for operation, _, _ in batch:
-                    savepoint = transaction.savepoint()
-                    try:
-                        outcomes.append((True, operation(cursor)))
-                    except Exception as exc:
-                        transaction.savepoint_rollback(savepoint)
-                        outcomes.append((False, exc))
-                    else:
-                        transaction.savepoint_commit(savepoint)
-        except (
-            Exception
-        ) as exc:  # the commit (or the connection) failed: nothing in the batch stands
-            logger.exception("gateway lane: a batch of %d operations was rolled back", len(batch))
-            if isinstance(exc, DatabaseError):
-                connection.close()  # reconnect on the next batch (e.g. after a database restart)
-            error = LaneError(f"The database did not accept the write ({type(exc).__name__}).")
-            return [(False, error)] * len(batch)
+            outcomes = self._transaction([entry[0] for entry in batch], durable)
+        except _Unexpected:
+            outcomes = []
+            for operation, _, _, durable in batch:
+                try:
+                    outcomes += self._transaction([operation], durable)
+                except _Unexpected as failed:
+                    outcomes.append((False, failed.error))
+                except Exception as exc:
+                    outcomes.append(self._failed(exc, 1)[0])
+        except Exception as exc:  # the commit (or the connection) failed: nothing stands
+            return self._failed(exc, len(batch))
         self.batches += 1
         self.operations += len(batch)
         return outcomes
+
+    def _transaction(self, operations: list, durable: bool) -> list[tuple[bool, Any]]:
+        """One transaction on the lane's connection, driven directly (BEGIN ... COMMIT on the
+        driver's cursor): Django's transaction machinery costs more than these statements."""
+        db = connections[DEFAULT_DB_ALIAS]  # this thread's: the lane's own connection
+        db.ensure_connection()
+        cursor = RawCursor(db.create_cursor(), db)
+        sqlite = db.vendor == "sqlite"
+        if sqlite:
+            level = "FULL" if durable else "NORMAL"  # WAL: FULL syncs the log at every commit
+            if self._synchronous != (id(db.connection), level):
+                cursor.execute(f"PRAGMA synchronous = {level}")
+                self._synchronous = (id(db.connection), level)
+        cursor.execute("BEGIN IMMEDIATE" if sqlite else "BEGIN")
+        outcomes: list[tuple[bool, Any]] = []
+        try:
+            if not durable and not sqlite:
+                cursor.execute("SET LOCAL synchronous_commit TO OFF")
+            for operation in operations:
+                try:
+                    outcomes.append((True, operation(cursor)))
+                except GatewayError as exc:
+                    outcomes.append((False, exc))
+                except Exception as exc:
+                    raise _Unexpected(exc) from exc
+        except BaseException:
+            cursor.execute("ROLLBACK")
+            raise
+        cursor.execute("COMMIT")
+        return outcomes
+
+    @staticmethod
+    def _failed(exc: Exception, count: int) -> list[tuple[bool, Any]]:
+        logger.error("gateway lane: %d operations rolled back: %r", count, exc, exc_info=exc)
+        connection.close()  # reconnect on the next batch (e.g. after a database restart)
+        error = LaneError(f"The database did not accept the write ({type(exc).__name__}).")
+        return [(False, error)] * count
+
+
+class _Unexpected(Exception):
+    def __init__(self, error: Exception):
+        super().__init__(repr(error))
+        self.error = error
+
+
+class RawCursor:
+    """The driver's cursor under Django's wrapper, with ``db`` (the DatabaseWrapper) kept.
+
+    Operations use ``%s`` placeholders on both backends (Django's SQLite cursor converts
+    them) and ``cursor.db`` to prepare values; skipping the wrapper's per-statement
+    instrumentation is a tenth of the lane's CPU. Driver exceptions are not translated.
+    """
+
+    __slots__ = ("_cursor", "db", "execute", "fetchone", "fetchall")
+
+    def __init__(self, cursor, db):
+        self._cursor = cursor
+        self.db = db
+        self.execute = self._cursor.execute
+        self.fetchone = self._cursor.fetchone
+        self.fetchall = self._cursor.fetchall
+
+    @property
+    def rowcount(self) -> int:
+        return self._cursor.rowcount
 
 
 class LaneError(Exception):
     """A batch could not be committed; the caller's operation did not take effect."""
 
 
-def _settle(future: asyncio.Future, outcome: tuple[bool, Any]) -> None:
-    if future.cancelled():
-        return
-    ok, value = outcome
-    if ok:
-        future.set_result(value)
-    else:
-        future.set_exception(value)
+def _settle_all(settled: list[tuple[asyncio.Future, tuple[bool, Any]]]) -> None:
+    for future, (ok, value) in settled:
+        if future.cancelled():
+            continue
+        if ok:
+            future.set_result(value)
+        else:
+            future.set_exception(value)
 
 
-async def in_thread(operation: Operation[T]) -> T:
+async def in_thread(operation: Operation[T], *, durable: bool = True) -> T:
     """Run an operation in its own transaction through ``sync_to_async`` (thread-sensitive:
     on the request's own connection, which is what Django's test client needs). Django's
-    routes use this; the ASGI fast route uses the lane."""
+    routes use this; the ASGI fast route uses the lane. Every commit here is durable."""
     return await sync_to_async(_atomically, thread_sensitive=True)(operation)
 
 

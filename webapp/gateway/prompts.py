@@ -41,7 +41,7 @@ def build_prompt(
         extended = _extend(tok, messages, tools, previous)
         if extended is not None:
             return extended
-    return Prompt(input_ids=tok.encode(tok.render(messages, tools=tools)), reused=False)
+    return Prompt(input_ids=tok.encode_messages(messages, tools), reused=False)
 
 
 def continued_choice(messages: list[dict], previous: PreviousTurn) -> int | None:

@@ -5,12 +5,12 @@ A completion touches the database twice:
 1. ``begin(...)``: authenticate the bearer (project key or session key) for the agent,
    count it against the key's rate limit, check the agent's run is serving, then either
    load the session's last turn (token-exact continuation, retry dedup) or, for a
-   project key, admit and open a one-turn session (``admission.admit``);
-2. ``record(...)``: store the turn (the interaction row, the session's counters) and
+   project key, admit a one-turn session (``admission.admit``);
+2. ``record(...)``: store the turn (the interaction row; the session's row or counters) and
    return the response to send, which for a retry overlapping its original is the
    original's.
 
-``discard`` removes a one-turn session whose request failed before anything was recorded.
+``discard`` gives back the admission slot of a one-turn completion that failed.
 Each is a plain function of a DB-API cursor with hand-written SQL: the ORM's per-query
 cost was most of the gateway's latency (docs/benchmarks.md). ``authenticate`` is also the
 one implementation of the gateway's auth rules for the ORM services.
@@ -26,7 +26,6 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db import connection
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
@@ -81,7 +80,7 @@ class Turn:
     caller: Caller
     run: RunInfo
     session_id: uuid.UUID
-    opened: bool  # a one-turn session opened for this request (discard it if the request fails)
+    opened: bool  # a one-turn session admitted for this request (``record`` writes its row)
     sticky_server: str
     previous: PreviousTurn | None = None
     replay: dict | None = None  # an SDK retry: answer this recorded response, record nothing
@@ -122,12 +121,20 @@ def _run(row) -> RunInfo | None:
     )
 
 
-def _pk(model, value):
-    return model._meta.pk.get_db_prep_value(value, connection)
+# Values are prepared with ``cursor.db`` (the thread's DatabaseWrapper) rather than the
+# ``connection`` proxy, whose every attribute access is a context-local lookup.
 
 
-def _for_update() -> str:
-    return " FOR UPDATE" if connection.features.has_select_for_update else ""
+def _pk(cursor, model, value):
+    return model._meta.pk.get_db_prep_value(value, cursor.db)
+
+
+def _value(cursor, model, name: str, value):
+    return model._meta.get_field(name).get_db_prep_save(value, cursor.db)
+
+
+def _for_update(cursor) -> str:
+    return " FOR UPDATE" if cursor.db.features.has_select_for_update else ""
 
 
 @functools.cache
@@ -141,7 +148,7 @@ def _insert_statement(model, names: tuple[str, ...]) -> tuple[str, list]:
 def _insert(cursor, model, values: dict[str, Any]) -> None:
     statement, fields = _insert_statement(model, tuple(values))
     cursor.execute(
-        statement, [field.get_db_prep_save(values[field.name], connection) for field in fields]
+        statement, [field.get_db_prep_save(values[field.name], cursor.db) for field in fields]
     )
 
 
@@ -196,7 +203,7 @@ def authenticate(cursor, *, token: str | None, agent_id) -> Caller:
         f" {_RUN_COLUMNS} FROM {_KEYS} k"
         f" LEFT JOIN {_AGENTS} a ON a.project_id = k.project_id AND a.id = %s"
         f" LEFT JOIN {_RUNS} r ON r.id = a.run_id WHERE k.hashed = %s",
-        [_pk(Agent, agent_uuid), key_hash],
+        [_pk(cursor, Agent, agent_uuid), key_hash],
     )
     row = cursor.fetchone()
     now = timezone.now()
@@ -206,7 +213,7 @@ def authenticate(cursor, *, token: str | None, agent_id) -> Caller:
     if last_used is None or now - last_used > LAST_USED_RESOLUTION:
         cursor.execute(
             f"UPDATE {_KEYS} SET last_used_at = %s WHERE id = %s",
-            [APIKey._meta.get_field("last_used_at").get_db_prep_save(now, connection), row[0]],
+            [_value(cursor, APIKey, "last_used_at", now), row[0]],
         )
     if row[5] is None:
         raise GatewayError(404, f"Agent {agent_id} not found.", code="agent_not_found")
@@ -272,7 +279,7 @@ def session_gone(session_id, status: str) -> GatewayError | None:
 def budget_full(cursor, run: RunInfo) -> GatewayError:
     cursor.execute(
         f"SELECT status, weight_version, sessions_open, sessions_accepted FROM {_RUNS} WHERE id = %s",
-        [admission.run_pk(run.id)],
+        [admission.run_pk(cursor, run.id)],
     )
     status, version, running, accepted = cursor.fetchone()
     if status != Run.Status.RUNNING:
@@ -318,29 +325,9 @@ def begin(*, token: str | None, agent_id, fingerprint: str, is_retry: bool):
                 return Turn(caller, run, uuid.uuid4(), False, "", replay=replay)
         if not admission.admit(cursor, run_id=run.id, config=run.config):
             raise budget_full(cursor, run)
-        session_id, now = uuid.uuid4(), timezone.now()
-        _insert(
-            cursor,
-            Session,
-            {
-                "id": session_id,
-                "project": caller.project_id,
-                "agent": caller.agent_id,
-                "run": run.id,
-                "key_hash": None,
-                "one_turn": True,
-                "task_id": "",
-                "metadata": {},
-                "status": Session.Status.OPEN,
-                "trajectory": Session.Trajectory.PENDING,
-                "admitted_version": run.weight_version,
-                "interaction_count": 0,
-                "server_url": "",
-                "created_at": now,
-                "last_activity_at": now,
-            },
-        )
-        return Turn(caller, run, session_id, True, "")
+        # The one-turn session's row is written with its interaction (``record``); until
+        # then only its admission slot exists (``discard`` gives it back).
+        return Turn(caller, run, uuid.uuid4(), True, "")
 
     return operation
 
@@ -351,7 +338,7 @@ def _last_turn(cursor, session_id, turns: int) -> tuple[PreviousTurn | None, dic
     cursor.execute(
         f"SELECT request_hash, messages, tools, input_ids, outputs, response FROM {_INTERACTIONS}"
         " WHERE session_id = %s AND turn = %s",
-        [_pk(Session, session_id), turns - 1],
+        [_pk(cursor, Session, session_id), turns - 1],
     )
     row = cursor.fetchone()
     if row is None:
@@ -371,14 +358,12 @@ def _last_turn(cursor, session_id, turns: int) -> tuple[PreviousTurn | None, dic
 
 def _recent_replay(cursor, agent_id, fingerprint: str) -> dict | None:
     """A one-turn completion of this agent with the same request, recorded recently."""
-    since = Interaction._meta.get_field("created_at").get_db_prep_save(
-        timezone.now() - REPLAY_WINDOW, connection
-    )
+    since = _value(cursor, Interaction, "created_at", timezone.now() - REPLAY_WINDOW)
     cursor.execute(
         f"SELECT i.response FROM {_INTERACTIONS} i JOIN {_SESSIONS} s ON s.id = i.session_id"
         " WHERE s.agent_id = %s AND s.one_turn = %s AND i.request_hash = %s AND i.created_at >= %s"
         " ORDER BY i.created_at DESC LIMIT 1",
-        [_pk(Agent, agent_id), True, fingerprint, since],
+        [_pk(cursor, Agent, agent_id), True, fingerprint, since],
     )
     row = cursor.fetchone()
     return None if row is None else _json(row[0])
@@ -386,7 +371,7 @@ def _recent_replay(cursor, agent_id, fingerprint: str) -> dict | None:
 
 def record(
     *,
-    session_id,
+    turn: Turn,
     interaction_id: str,
     request_hash: str,
     messages: list,
@@ -404,40 +389,21 @@ def record(
     retry that overlapped it)."""
 
     def operation(cursor) -> dict:
-        session_pk = _pk(Session, session_id)
-        cursor.execute(
-            f"SELECT status, interaction_count FROM {_SESSIONS} WHERE id = %s{_for_update()}",
-            [session_pk],
-        )
-        row = cursor.fetchone()
-        if row is None or row[0] != Session.Status.OPEN:
-            raise GatewayError(
-                409,
-                f"Session {session_id} ended while the request was in flight.",
-                code="session_ended",
-            )
-        turn = int(row[1])
-        if turn > 0:
-            cursor.execute(
-                f"SELECT request_hash, response FROM {_INTERACTIONS} WHERE session_id = %s AND turn = %s",
-                [session_pk, turn - 1],
-            )
-            last = cursor.fetchone()
-            if last is not None and last[0] == request_hash:
-                return _json(last[1])  # a retry that overlapped its original: the first answer only
-            if previous_chosen is not None:
-                cursor.execute(
-                    f"UPDATE {_INTERACTIONS} SET chosen = %s WHERE session_id = %s AND turn = %s",
-                    [previous_chosen, session_pk, turn - 1],
-                )
         now = timezone.now()
+        if turn.opened:
+            number = 0
+            _insert(cursor, Session, _one_turn_session(turn, server_url, now))
+        else:
+            number = _next_turn(cursor, turn.session_id, request_hash, previous_chosen)
+            if isinstance(number, dict):
+                return number  # a retry that overlapped its original: the first answer only
         _insert(
             cursor,
             Interaction,
             {
                 "id": interaction_id,
-                "session": session_id,
-                "turn": turn,
+                "session": turn.session_id,
+                "turn": number,
                 "request_hash": request_hash,
                 "messages": messages,
                 "tools": tools,
@@ -452,30 +418,80 @@ def record(
                 "created_at": now,
             },
         )
-        cursor.execute(
-            f"UPDATE {_SESSIONS} SET interaction_count = %s, last_activity_at = %s, server_url = %s"
-            " WHERE id = %s",
-            [
-                turn + 1,
-                Session._meta.get_field("last_activity_at").get_db_prep_save(now, connection),
-                server_url,
-                session_pk,
-            ],
-        )
+        if not turn.opened:
+            cursor.execute(
+                f"UPDATE {_SESSIONS} SET interaction_count = %s, last_activity_at = %s,"
+                " server_url = %s WHERE id = %s",
+                [
+                    number + 1,
+                    _value(cursor, Session, "last_activity_at", now),
+                    server_url,
+                    _pk(cursor, Session, turn.session_id),
+                ],
+            )
         return response
 
     return operation
 
 
-def discard(*, session_id, run_id):
-    """The operation that removes a one-turn session whose request failed before it was recorded."""
+def _one_turn_session(turn: Turn, server_url: str, now: datetime) -> dict[str, Any]:
+    return {
+        "id": turn.session_id,
+        "project": turn.caller.project_id,
+        "agent": turn.caller.agent_id,
+        "run": turn.run.id,
+        "key_hash": None,
+        "one_turn": True,
+        "task_id": "",
+        "metadata": {},
+        "status": Session.Status.OPEN,
+        "trajectory": Session.Trajectory.PENDING,
+        "admitted_version": turn.run.weight_version,
+        "interaction_count": 1,
+        "server_url": server_url,
+        "created_at": now,
+        "last_activity_at": now,
+    }
+
+
+def _next_turn(cursor, session_id, request_hash: str, previous_chosen: int | None) -> int | dict:
+    """The number of the session's next turn (locking the session), or the response of its last
+    turn when that was the same request."""
+    session_pk = _pk(cursor, Session, session_id)
+    cursor.execute(
+        f"SELECT status, interaction_count FROM {_SESSIONS} WHERE id = %s{_for_update(cursor)}",
+        [session_pk],
+    )
+    row = cursor.fetchone()
+    if row is None or row[0] != Session.Status.OPEN:
+        raise GatewayError(
+            409,
+            f"Session {session_id} ended while the request was in flight.",
+            code="session_ended",
+        )
+    number = int(row[1])
+    if number > 0:
+        cursor.execute(
+            f"SELECT request_hash, response FROM {_INTERACTIONS} WHERE session_id = %s AND turn = %s",
+            [session_pk, number - 1],
+        )
+        last = cursor.fetchone()
+        if last is not None and last[0] == request_hash:
+            return _json(last[1])
+        if previous_chosen is not None:
+            cursor.execute(
+                f"UPDATE {_INTERACTIONS} SET chosen = %s WHERE session_id = %s AND turn = %s",
+                [previous_chosen, session_pk, number - 1],
+            )
+    return number
+
+
+def discard(*, turn: Turn):
+    """The operation that gives back the admission slot of a one-turn completion that failed
+    before it was recorded."""
 
     def operation(cursor) -> None:
-        cursor.execute(
-            f"DELETE FROM {_SESSIONS} WHERE id = %s AND status = %s AND interaction_count = 0",
-            [_pk(Session, session_id), Session.Status.OPEN],
-        )
-        if cursor.rowcount:
-            admission.count(cursor, run_id, opened=-1)
+        if turn.opened:
+            admission.count(cursor, turn.run.id, opened=-1)
 
     return operation
