@@ -11,7 +11,9 @@ increments ``sessions_open`` only while::
 can never both take the last slot, and admission costs the same however many sessions
 the run has. Every change of a session's state moves the counters by the same amount
 (``count``); ``refresh`` recomputes them from the sessions, which the reconciler runs
-periodically so that sessions deleted with their agent give their slots back.
+periodically so that sessions deleted with their agent give their slots back. (A
+one-turn completion holds its slot from admission but writes its session row only with
+its answer, so a refresh during that request under-counts it by one until the next.)
 
 The functions take a DB-API cursor (Django's, on either backend) so that the ORM
 services and the gateway's write lane share them.
@@ -45,14 +47,17 @@ def budget(config: dict) -> tuple[int, int, int]:
 def admit(cursor, *, run_id, config: dict) -> bool:
     """Open one rollout slot on a running run if its staleness budget allows; True when admitted."""
     max_staleness, batch_size, max_concurrent = budget(config)
+    # RETURNING where the database has it: a pipelined cursor (the lane on PostgreSQL)
+    # knows an UPDATE's row count only once its result has been read.
+    returning = cursor.db.features.can_return_columns_from_insert
     cursor.execute(
         f"UPDATE {_RUN} SET sessions_open = sessions_open + 1"
         " WHERE id = %s AND status = 'running'"
         " AND sessions_open + sessions_accepted < (%s + weight_version + 1) * %s"
-        " AND (%s = 0 OR sessions_open < %s)",
+        " AND (%s = 0 OR sessions_open < %s)" + (" RETURNING id" if returning else ""),
         [run_pk(cursor, run_id), max_staleness, batch_size, max_concurrent, max_concurrent],
     )
-    return cursor.rowcount == 1
+    return cursor.fetchone() is not None if returning else cursor.rowcount == 1
 
 
 def count(cursor, run_id, *, opened: int = 0, accepted: int = 0) -> None:

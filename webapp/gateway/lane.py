@@ -5,8 +5,9 @@ admit, then record the turn). Each is an *operation*: a function of a DB-API cur
 reads, writes and returns plain data, or raises. Operations are queued to this
 process's lane thread, which takes everything queued, runs it in **one transaction** and commits
 once: group commit. Operations raise ``GatewayError`` only before they write; any other
-failure rolls the batch back and its operations are retried one transaction each, so
-one bad operation never undoes the others. Only after the commit returns are the callers' futures
+failure (in an operation or at the commit) rolls the batch back and its operations are
+retried one transaction each, so one bad operation never undoes the others; a database
+error reaches its caller as ``LaneError``. Only after the commit returns are the callers' futures
 resolved, so nothing is acknowledged before it is durable, and under load one fsync
 (SQLite) or one commit round trip (PostgreSQL) covers many requests.
 
@@ -22,12 +23,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import sqlite3
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from asgiref.sync import sync_to_async
-from django.db import DEFAULT_DB_ALIAS, connection, connections, transaction
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, connection, connections, transaction
 
 from webapp.gateway.errors import GatewayError
 
@@ -89,44 +91,63 @@ class Lane:
                 loop.call_soon_threadsafe(_settle_all, settled)
 
     def _run_batch(self, batch: list) -> list[tuple[bool, Any]]:
-        """Run the batch in one transaction; if an operation fails unexpectedly (anything but
-        a GatewayError, which operations raise before they write), roll the batch back and
-        run each operation in a transaction of its own, so the others still take effect."""
+        """Run the batch in one transaction. If anything fails but a GatewayError (which
+        operations raise before they write), roll the batch back and run each operation in
+        a transaction of its own: the others still take effect, and the failing one gets
+        its own error (a database error as ``LaneError``)."""
         durable = any(entry[3] for entry in batch)
         try:
             outcomes = self._transaction([entry[0] for entry in batch], durable)
-        except _Unexpected:
+        except Exception as exc:
+            if len(batch) == 1:
+                return [self._failed(exc)]
+            logger.warning(
+                "gateway lane: a batch of %d failed (%r); retrying one by one", len(batch), exc
+            )
             outcomes = []
             for operation, _, _, durable in batch:
                 try:
                     outcomes += self._transaction([operation], durable)
-                except _Unexpected as failed:
-                    outcomes.append((False, failed.error))
                 except Exception as exc:
-                    outcomes.append(self._failed(exc, 1)[0])
-        except Exception as exc:  # the commit (or the connection) failed: nothing stands
-            return self._failed(exc, len(batch))
+                    outcomes.append(self._failed(exc))
         self.batches += 1
         self.operations += len(batch)
         return outcomes
 
     def _transaction(self, operations: list, durable: bool) -> list[tuple[bool, Any]]:
         """One transaction on the lane's connection, driven directly (BEGIN ... COMMIT on the
-        driver's cursor): Django's transaction machinery costs more than these statements."""
+        driver's cursor): Django's transaction machinery costs more than these statements.
+
+        On PostgreSQL the transaction runs in psycopg's pipeline mode: statements whose
+        results nobody reads (the inserts, the COMMIT) go out without waiting for the
+        server, so a batch costs a few round trips instead of one per statement.
+        """
         db = connections[DEFAULT_DB_ALIAS]  # this thread's: the lane's own connection
         db.ensure_connection()
         cursor = RawCursor(db.create_cursor(), db)
-        sqlite = db.vendor == "sqlite"
-        if sqlite:
+        if db.vendor == "sqlite":
             level = "FULL" if durable else "NORMAL"  # WAL: FULL syncs the log at every commit
             if self._synchronous != (id(db.connection), level):
                 cursor.execute(f"PRAGMA synchronous = {level}")
                 self._synchronous = (id(db.connection), level)
-        cursor.execute("BEGIN IMMEDIATE" if sqlite else "BEGIN")
+            return self._statements(cursor, operations, ["BEGIN IMMEDIATE"])
+        begin = ["BEGIN"] if durable else ["BEGIN", "SET LOCAL synchronous_commit TO OFF"]
+        try:
+            with db.connection.pipeline():
+                return self._statements(cursor, operations, begin)
+        except BaseException:
+            db.close()  # a pipeline that failed half-way is not worth untangling: reconnect
+            self._synchronous = None
+            raise
+
+    @staticmethod
+    def _statements(
+        cursor: RawCursor, operations: list, begin: list[str]
+    ) -> list[tuple[bool, Any]]:
+        for statement in begin:
+            cursor.execute(statement)
         outcomes: list[tuple[bool, Any]] = []
         try:
-            if not durable and not sqlite:
-                cursor.execute("SET LOCAL synchronous_commit TO OFF")
             for operation in operations:
                 try:
                     outcomes.append((True, operation(cursor)))
@@ -140,18 +161,36 @@ class Lane:
         cursor.execute("COMMIT")
         return outcomes
 
-    @staticmethod
-    def _failed(exc: Exception, count: int) -> list[tuple[bool, Any]]:
-        logger.error("gateway lane: %d operations rolled back: %r", count, exc, exc_info=exc)
-        connection.close()  # reconnect on the next batch (e.g. after a database restart)
-        error = LaneError(f"The database did not accept the write ({type(exc).__name__}).")
-        return [(False, error)] * count
+    def _failed(self, exc: Exception) -> tuple[bool, Exception]:
+        """The outcome of an operation whose transaction failed."""
+        error = exc.error if isinstance(exc, _Unexpected) else exc
+        if not isinstance(error, DB_ERRORS):
+            logger.error("gateway lane: an operation failed", exc_info=error)
+            return False, error  # a bug, not the database: the caller sees it as it is
+        logger.error("gateway lane: the database refused an operation: %r", error)
+        connections[DEFAULT_DB_ALIAS].close()  # reconnect next time (e.g. after a restart)
+        self._synchronous = None
+        return False, LaneError(f"The database did not accept the write ({type(error).__name__}).")
 
 
 class _Unexpected(Exception):
     def __init__(self, error: Exception):
         super().__init__(repr(error))
         self.error = error
+
+
+def _database_errors() -> tuple[type[Exception], ...]:
+    errors: list[type[Exception]] = [DatabaseError, sqlite3.Error]
+    try:
+        import psycopg
+
+        errors.append(psycopg.Error)
+    except ImportError:
+        pass
+    return tuple(errors)
+
+
+DB_ERRORS = _database_errors()  # Django's and the drivers' (the lane uses raw cursors)
 
 
 class RawCursor:
