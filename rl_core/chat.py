@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import jinja2
+import orjson
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 TOOL_CALL_RE = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
@@ -110,7 +111,7 @@ class ChatTokenizer:
         distinct prompts: RL sends one prompt many times (a group of samples per task, the
         same system prompt and task set every epoch), and rendering is deterministic (the
         template sees only the messages, the tools and the special tokens)."""
-        key = json.dumps([messages, tools], sort_keys=True, ensure_ascii=False)
+        key = orjson.dumps([messages, tools], option=orjson.OPT_SORT_KEYS)
         with self._prompts_lock:
             ids = self._prompts.get(key)
             if ids is not None:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import orjson
 
 from rl_core.inference.http1 import Http1Pool, HTTPConnectionError
 
@@ -583,17 +584,16 @@ class PooledInferenceClient(InferenceClient):
 
     async def _post_generate(self, body: dict[str, Any]) -> Any:
         try:
-            status, payload = await self._pool.post_json("/generate", json.dumps(body).encode())
+            status, payload = await self._pool.post_json("/generate", orjson.dumps(body))
         except HTTPConnectionError as exc:
             raise InferenceUnavailable(f"POST {self.base_url}/generate: {exc}") from exc
-        text = payload.decode("utf-8", "replace")
         if status >= 400:
-            raise _error(status, text, "POST /generate")
+            raise _error(status, payload.decode("utf-8", "replace"), "POST /generate")
         try:
-            return json.loads(text)
+            return orjson.loads(payload)
         except ValueError:
             raise InferenceError(
-                f"POST /generate: the answer is not JSON: {text[:200]!r}"
+                f"POST /generate: the answer is not JSON: {payload[:200]!r}"
             ) from None
 
     async def aclose(self) -> None:

@@ -16,6 +16,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import orjson
 from django.conf import settings
 
 from rl_core.chat import ChatTemplateError, ChatTokenizer, load_chat_tokenizer, parse_tool_calls
@@ -39,16 +40,14 @@ class Reply:
 
     @classmethod
     def json(cls, payload: dict, status: int = 200) -> Reply:
-        return cls(
-            status, json.dumps(payload).encode(), headers={"Content-Type": "application/json"}
-        )
+        return cls(status, orjson.dumps(payload), headers={"Content-Type": "application/json"})
 
     @classmethod
     def error(cls, exc: GatewayError) -> Reply:
         status, payload, headers = exc.payload()
         return cls(
             status,
-            json.dumps(payload).encode(),
+            orjson.dumps(payload),
             headers={"Content-Type": "application/json", **headers},
         )
 
@@ -306,7 +305,7 @@ async def _sse(chat: ChatRequest, response: dict):
         }
         if chat.include_usage:
             body["usage"] = usage
-        return f"data: {json.dumps(body)}\n\n".encode()
+        return b"data: " + orjson.dumps(body) + b"\n\n"
 
     for choice in response["choices"]:
         index, message = choice["index"], choice["message"]

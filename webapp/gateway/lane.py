@@ -23,8 +23,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import random
 import sqlite3
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -124,21 +126,48 @@ class Lane:
         """
         db = connections[DEFAULT_DB_ALIAS]  # this thread's: the lane's own connection
         db.ensure_connection()
-        cursor = RawCursor(db.create_cursor(), db)
-        if db.vendor == "sqlite":
-            level = "FULL" if durable else "NORMAL"  # WAL: FULL syncs the log at every commit
-            if self._synchronous != (id(db.connection), level):
-                cursor.execute(f"PRAGMA synchronous = {level}")
-                self._synchronous = (id(db.connection), level)
-            return self._statements(cursor, operations, ["BEGIN IMMEDIATE"])
-        begin = ["BEGIN"] if durable else ["BEGIN", "SET LOCAL synchronous_commit TO OFF"]
+        driver_cursor = db.create_cursor()
+        cursor = RawCursor(driver_cursor, db)
         try:
-            with db.connection.pipeline():
-                return self._statements(cursor, operations, begin)
-        except BaseException:
-            db.close()  # a pipeline that failed half-way is not worth untangling: reconnect
-            self._synchronous = None
-            raise
+            if db.vendor == "sqlite":
+                level = "FULL" if durable else "NORMAL"  # WAL: FULL syncs the log per commit
+                if self._synchronous != (id(db.connection), level):
+                    # busy_timeout 0: _begin_immediate waits for the write lock itself.
+                    cursor.execute("PRAGMA busy_timeout = 0")
+                    cursor.execute(f"PRAGMA synchronous = {level}")
+                    self._synchronous = (id(db.connection), level)
+                self._begin_immediate(cursor, db)
+                return self._statements(cursor, operations, [])
+            begin = ["BEGIN"] if durable else ["BEGIN", "SET LOCAL synchronous_commit TO OFF"]
+            try:
+                with db.connection.pipeline():
+                    return self._statements(cursor, operations, begin)
+            except BaseException:
+                db.close()  # a pipeline that failed half-way is not worth untangling
+                self._synchronous = None
+                raise
+        finally:
+            # Closed at once, not when garbage collected: an exception's traceback can keep
+            # it alive, and an unfinished SQLite statement holds its read lock.
+            try:
+                driver_cursor.close()
+            except Exception:  # already closed with its connection
+                pass
+
+    @staticmethod
+    def _begin_immediate(cursor: RawCursor, db) -> None:
+        """Take SQLite's write lock, retrying every few hundred microseconds while another
+        process holds it. SQLite's own busy handler sleeps 1, 2, 5, 10... ms between tries,
+        so a lane losing the race to another web process's lane fell ever further behind."""
+        deadline = time.monotonic() + float(db.settings_dict.get("OPTIONS", {}).get("timeout", 30))
+        while True:
+            try:
+                cursor.execute("BEGIN IMMEDIATE")
+                return
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc) or time.monotonic() > deadline:
+                    raise
+                time.sleep(random.uniform(0.0001, 0.0005))
 
     @staticmethod
     def _statements(
