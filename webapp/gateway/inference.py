@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import time
-import uuid
 from dataclasses import dataclass
 
 from asgiref.sync import sync_to_async
@@ -67,6 +67,11 @@ def _client(url: str) -> PooledInferenceClient:
     return client
 
 
+def _request_id() -> str:
+    """A unique id for an engine request (SGLang's ``rid``): not a secret, so no syscall."""
+    return f"{random.getrandbits(128):032x}"
+
+
 @dataclass
 class Generation:
     server_url: str
@@ -104,7 +109,7 @@ async def generate(
                     params["sampling_seed"] = seed + index
                 jobs.append(
                     client.generate(
-                        input_ids, params, rid=uuid.uuid4().hex, top_logprobs_num=top_logprobs
+                        input_ids, params, rid=_request_id(), top_logprobs_num=top_logprobs
                     )
                 )
             results = await asyncio.gather(*jobs)

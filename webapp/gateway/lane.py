@@ -222,6 +222,9 @@ def _database_errors() -> tuple[type[Exception], ...]:
 DB_ERRORS = _database_errors()  # Django's and the drivers' (the lane uses raw cursors)
 
 
+_QMARK: dict[str, str] = {}  # SQLite: statements with %s rewritten to ?
+
+
 class RawCursor:
     """The driver's cursor under Django's wrapper, with ``db`` (the DatabaseWrapper) kept.
 
@@ -235,9 +238,19 @@ class RawCursor:
     def __init__(self, cursor, db):
         self._cursor = cursor
         self.db = db
-        self.execute = self._cursor.execute
-        self.fetchone = self._cursor.fetchone
-        self.fetchall = self._cursor.fetchall
+        self.execute = self._sqlite_execute if db.vendor == "sqlite" else cursor.execute
+        self.fetchone = cursor.fetchone
+        self.fetchall = cursor.fetchall
+
+    def _sqlite_execute(self, query: str, params=None):
+        # Django's SQLite cursor rewrites %s to ? with a regex at every call; the gateway's
+        # statements are a handful of constant strings, so rewrite each once.
+        if params is None:
+            return sqlite3.Cursor.execute(self._cursor, query)
+        converted = _QMARK.get(query)
+        if converted is None:
+            converted = _QMARK[query] = self._cursor.convert_query(query)
+        return sqlite3.Cursor.execute(self._cursor, converted, params)
 
     @property
     def rowcount(self) -> int:

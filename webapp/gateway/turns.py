@@ -25,7 +25,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import orjson
 from django.conf import settings
+from django.db.models import JSONField
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
@@ -147,8 +149,16 @@ def _insert_statement(model, names: tuple[str, ...]) -> tuple[str, list]:
 
 def _insert(cursor, model, values: dict[str, Any]) -> None:
     statement, fields = _insert_statement(model, tuple(values))
+    sqlite = cursor.db.vendor == "sqlite"
     cursor.execute(
-        statement, [field.get_db_prep_save(values[field.name], cursor.db) for field in fields]
+        statement,
+        [
+            # SQLite keeps JSON as text: orjson writes the same JSON, several times faster.
+            orjson.dumps(value).decode()
+            if sqlite and value is not None and isinstance(field, JSONField)
+            else field.get_db_prep_save(value, cursor.db)
+            for field, value in ((field, values[field.name]) for field in fields)
+        ],
     )
 
 
