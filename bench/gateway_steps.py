@@ -36,40 +36,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import gateway as g  # noqa: E402  (bench/gateway.py)
 
-# Every SQL statement and every new database connection, in any thread.
-COUNTS = {"queries": 0, "connections": 0}
-PER_STEP: dict[str, list[tuple[int, int]]] = {}
 CPU: dict[str, list[float]] = {}  # process CPU time (all threads) per call, ms
-
-
-def _count_query(execute, sql, params, many, context):
-    COUNTS["queries"] += 1
-    return execute(sql, params, many, context)
-
-
-def install_counters() -> None:
-    from django.db.backends.signals import connection_created
-
-    def created(sender, connection, **kwargs):
-        COUNTS["connections"] += 1
-        connection.execute_wrappers.append(_count_query)
-
-    connection_created.connect(created, weak=False)
 
 
 def timed(samples: dict, name: str):
     class _T:
         def __enter__(self):
-            self.q, self.c = COUNTS["queries"], COUNTS["connections"]
             self.cpu = time.process_time()
             self.t = time.perf_counter()
 
         def __exit__(self, *exc):
             samples.setdefault(name, []).append((time.perf_counter() - self.t) * 1000)
             CPU.setdefault(name, []).append((time.process_time() - self.cpu) * 1000)
-            PER_STEP.setdefault(name, []).append(
-                (COUNTS["queries"] - self.q, COUNTS["connections"] - self.c)
-            )
 
     return _T()
 
@@ -151,7 +129,8 @@ async def run_steps(n: int, agent_id: str, key: str, whole_only: bool = False) -
             fingerprint = chat.fingerprint()
         with timed(samples, "lane: begin (auth + admission)"):
             turn = await lane().run(
-                turns.begin(token=key, agent_id=agent_id, fingerprint=fingerprint, is_retry=False)
+                turns.begin(token=key, agent_id=agent_id, fingerprint=fingerprint, is_retry=False),
+                durable=False,  # as completions runs it
             )
         with timed(samples, "build_prompt (render template + encode)"):
             tok = await _tokenizer(turn.run.base_model)
@@ -216,7 +195,6 @@ def main(argv=None) -> int:
         import django
 
         django.setup()
-        install_counters()
         from django.conf import settings
 
         settings.BENCH_STANDIN_URL = bench.standin_url
@@ -230,19 +208,14 @@ def main(argv=None) -> int:
         g.stop_all()
     width = max(len(k) for k in samples)
     print(f"Steep gateway steps, {a.database}, DEBUG={env['DEBUG']}, n={a.n} (ms per call)\n")
-    print(
-        f"| {'step'.ljust(width)} | wall mean | wall p50 | wall p90 | CPU mean | SQL statements | new DB connections |"
-    )
-    print(f"|{'-' * (width + 2)}|---:|---:|---:|---:|---:|---:|")
+    print(f"| {'step'.ljust(width)} | wall mean | wall p50 | wall p90 | CPU mean |")
+    print(f"|{'-' * (width + 2)}|---:|---:|---:|---:|")
     for name, xs in samples.items():
         xs_sorted = sorted(xs)
         p90 = xs_sorted[int(0.9 * (len(xs_sorted) - 1))]
-        counts = PER_STEP.get(name) or [(0, 0)]
-        queries = statistics.fmean(q for q, _ in counts)
-        conns = statistics.fmean(c for _, c in counts)
         print(
             f"| {name.ljust(width)} | {statistics.fmean(xs):.3f} | {statistics.median(xs):.3f} "
-            f"| {p90:.3f} | {statistics.fmean(CPU[name]):.3f} | {queries:.1f} | {conns:.2f} |"
+            f"| {p90:.3f} | {statistics.fmean(CPU[name]):.3f} |"
         )
     return 0
 
