@@ -184,10 +184,15 @@ class Lane:
                     outcomes.append((False, exc))
                 except Exception as exc:
                     raise _Unexpected(exc) from exc
+            # A COMMIT can fail (SQLite checks deferred foreign keys there) and leave the
+            # transaction open, holding the write lock: it is rolled back like the rest.
+            cursor.execute("COMMIT")
         except BaseException:
-            cursor.execute("ROLLBACK")
+            try:
+                cursor.execute("ROLLBACK")
+            except Exception:  # nothing to roll back, or the connection is gone
+                pass
             raise
-        cursor.execute("COMMIT")
         return outcomes
 
     def _failed(self, exc: Exception) -> tuple[bool, Exception]:
