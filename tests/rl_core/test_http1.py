@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from rl_core.inference.http1 import HTTPConnectionError, Http1Pool
+from rl_core.inference.http1 import Http1Pool, HTTPConnectionError
 from rl_core.inference.launch import free_port
 
 
