@@ -4,14 +4,17 @@ sessions through the real gateway, and ``admission.refresh`` restores them from 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 
 import pytest
 from django.db import connection
+from django.utils import timezone
 
 from webapp.gateway import admission
 from webapp.gateway.models import Session
-from webapp.runs.jobs import job_mark_trained
+from webapp.runs.jobs import job_mark_trained, job_submit_episodes
 from webapp.runs.models import Run
+from workers.tasks import sessions_expire_idle
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -90,3 +93,91 @@ def test_concurrent_start_sessions_take_exactly_the_free_slots(make_gateway, pro
         statuses = list(pool.map(lambda _: gw.post("/rl/start_session").status_code, range(12)))
     assert statuses.count(201) == 5 and statuses.count(429) == 7, statuses
     assert counters(gw.run) == (5, 0) == truth(gw.run)
+
+
+def test_rebinding_a_live_key_accepts_the_old_session_and_opens_the_new_one(gw):
+    _, key = gw.start_session()
+    gw.openai(key).chat.completions.create(model=gw.model, messages=HI, max_tokens=2)
+    gw.post("/rl/set_reward", {"reward": 1.0}, key=key)
+
+    assert gw.post("/rl/start_session", key=key).status_code == 201
+    assert counters(gw.run) == (1, 1) == truth(gw.run)
+
+
+def test_expired_sessions_give_their_slots_back(gw, settings):
+    settings.SESSION_IDLE_TIMEOUT_S = 2
+    gw.start_session()
+    _, key = gw.start_session()
+    gw.openai(key).chat.completions.create(model=gw.model, messages=HI, max_tokens=2)
+    gw.post("/rl/set_reward", {"reward": 1.0}, key=key)  # rewarded, but incomplete: not trained
+    Session.objects.update(last_activity_at=timezone.now() - timedelta(seconds=3))
+
+    assert sessions_expire_idle() == 2
+    assert counters(gw.run) == (0, 0) == truth(gw.run)
+
+
+def test_the_expiry_task_gives_back_the_slots_of_sessions_deleted_with_their_agent(gw):
+    gw.start_session()
+    gw.openai().chat.completions.create(model=gw.model, messages=HI, max_tokens=2)
+    gw.agent.delete()  # its sessions go with it; the counters cannot follow
+    assert counters(gw.run) == (2, 0) and truth(gw.run) == (0, 0)
+
+    sessions_expire_idle()
+    assert counters(gw.run) == (0, 0)
+
+
+def test_refresh_touches_only_its_own_run(project, make_run, make_agent):
+    runs = [make_run(project, name=name) for name in ("mine", "other")]
+    agent = make_agent(project, run=runs[0])
+    for status, trajectory in [
+        ("open", "pending"),
+        ("ended", "ready"),
+        ("ended", "claimed"),
+        ("ended", "trained"),
+        ("ended", "dropped"),
+        ("expired", "unrewarded"),
+    ]:
+        Session.objects.create(
+            project=project, agent=agent, run=runs[0], status=status, trajectory=trajectory
+        )
+    Run.objects.update(sessions_open=9, sessions_accepted=9)
+
+    with connection.cursor() as cursor:
+        admission.refresh(cursor, runs[0].pk)
+
+    assert counters(runs[0]) == truth(runs[0]) == (1, 3)
+    assert counters(runs[1]) == (9, 9)
+
+
+def test_submitted_dataset_episodes_are_accepted(project, make_run):
+    run = make_run(project)
+    episode = {
+        "input_ids": [1, 2],
+        "output_ids": [3],
+        "logprobs": [-0.5],
+        "versions": [0],
+        "reward": 1.0,
+    }
+    job_submit_episodes(run=run, episodes=[episode, episode, episode])
+    assert counters(run) == (0, 3) == truth(run)
+
+
+def test_completions_and_start_sessions_racing_share_exactly_the_free_slots(
+    make_gateway, project, api_key
+):
+    # One-turn completions are admitted in the fast route's lane, start_session in Django's
+    # view: both take slots with the same conditional UPDATE.
+    gw = make_gateway(project, api_key, max_staleness=0, batch_size=4)
+    chat = {"model": gw.model, "messages": HI, "max_tokens": 2}
+
+    def call(i: int) -> int:
+        if i % 2:
+            return gw.post("/chat/completions", chat).status_code
+        return gw.post("/rl/start_session").status_code
+
+    with ThreadPoolExecutor(max_workers=12) as pool:
+        statuses = list(pool.map(call, range(12)))
+
+    assert statuses.count(200) + statuses.count(201) == 4, statuses
+    assert statuses.count(429) == 8, statuses
+    assert counters(gw.run) == (4, 0) == truth(gw.run)

@@ -50,9 +50,10 @@ def _headers(scope) -> dict[str, str]:
 
 def _secure(scope, headers: dict[str, str]) -> bool:
     proxy = settings.SECURE_PROXY_SSL_HEADER
-    if proxy:
-        name = proxy[0].removeprefix("HTTP_").replace("_", "-").lower()
-        return headers.get(name, "").split(",")[0].strip() == proxy[1]
+    if proxy:  # as Django's is_secure: the proxy's header when present, else the scheme
+        value = headers.get(proxy[0].removeprefix("HTTP_").replace("_", "-").lower())
+        if value is not None:
+            return value.split(",")[0].strip() == proxy[1]
     return scope.get("scheme") == "https"
 
 
@@ -140,6 +141,7 @@ def _response_headers(reply: Reply, request_id: str, secure: bool) -> list[tuple
         "X-Content-Type-Options": "nosniff",
         "X-Frame-Options": "DENY",
         "Referrer-Policy": "same-origin",
+        "Cross-Origin-Opener-Policy": "same-origin",
     }
     if secure and settings.SECURE_HSTS_SECONDS:
         hsts = f"max-age={settings.SECURE_HSTS_SECONDS}"

@@ -4,7 +4,8 @@ Chat completions reach the database twice (``webapp.gateway.turns``: authenticat
 admit, then record the turn). Each is an *operation*: a function of a DB-API cursor that
 reads, writes and returns plain data, or raises. Operations are queued to this
 process's lane thread, which takes everything queued, runs it in **one transaction** and commits
-once: group commit. Operations raise ``GatewayError`` only before they write; any other
+once: group commit. Operations raise ``GatewayError`` only before writes that must not
+stay (``turns.begin`` keeps a key's ``last_used_at`` even when it then refuses); any other
 failure (in an operation or at the commit) rolls the batch back and its operations are
 retried one transaction each, so one bad operation never undoes the others; a database
 error reaches its caller as ``LaneError``. Only after the commit returns are the callers' futures

@@ -498,10 +498,16 @@ def _next_turn(cursor, session_id, request_hash: str, previous_chosen: int | Non
 
 def discard(*, turn: Turn):
     """The operation that gives back the admission slot of a one-turn completion that failed
-    before it was recorded."""
+    before it was recorded. A request cancelled while its ``record`` was already queued may
+    still have been recorded (operations run in order): then its slot stays taken."""
 
     def operation(cursor) -> None:
-        if turn.opened:
+        if not turn.opened:
+            return
+        cursor.execute(
+            f"SELECT 1 FROM {_SESSIONS} WHERE id = %s", [_pk(cursor, Session, turn.session_id)]
+        )
+        if cursor.fetchone() is None:
             admission.count(cursor, turn.run.id, opened=-1)
 
     return operation
