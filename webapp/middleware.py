@@ -6,10 +6,11 @@ from django.conf import settings
 from django.http import JsonResponse
 
 
-def too_large_response(limit: int, *, openai_shape: bool) -> JsonResponse:
+def too_large_body(limit: int, *, openai_shape: bool) -> dict:
+    """The 413 error body: OpenAI's shape for the gateway, the REST API's elsewhere."""
     message = f"Request body is larger than the limit of {limit} bytes."
     if openai_shape:
-        body = {
+        return {
             "error": {
                 "message": message,
                 "type": "invalid_request_error",
@@ -17,9 +18,11 @@ def too_large_response(limit: int, *, openai_shape: bool) -> JsonResponse:
                 "code": "request_too_large",
             }
         }
-    else:
-        body = {"error": {"message": message, "code": "request_too_large", "fields": {}}}
-    return JsonResponse(body, status=413)
+    return {"error": {"message": message, "code": "request_too_large", "fields": {}}}
+
+
+def too_large_response(limit: int, *, openai_shape: bool) -> JsonResponse:
+    return JsonResponse(too_large_body(limit, openai_shape=openai_shape), status=413)
 
 
 class BodySizeLimitMiddleware:

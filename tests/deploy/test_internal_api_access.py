@@ -55,7 +55,7 @@ def test_a_session_key_is_refused(client, running, project, make_agent):
     from webapp.gateway.services import session_open
 
     agent = make_agent(project, run=running)
-    _, session_key = session_open(agent=agent, run=running, one_turn=False)
+    _, session_key = session_open(agent=agent, run=running)
     job_secret_issue(run=running)
     assert_refused(call(client, running, "GET", "config", None, session_key))
 

@@ -14,7 +14,6 @@ What the middleware did for these requests is done here too: the request id
 
 from __future__ import annotations
 
-import json
 import re
 import time
 
@@ -24,6 +23,7 @@ from django.http.request import split_domain_port, validate_host
 from webapp import observability
 from webapp.gateway.completions import Reply, chat_completion
 from webapp.gateway.errors import GatewayError
+from webapp.middleware import too_large_body
 
 ROUTE = re.compile(r"/agents/([^/]+)/v1/chat/completions")
 
@@ -122,16 +122,7 @@ class _Disconnected(Exception):
 
 
 def _too_large() -> Reply:
-    limit = settings.MAX_REQUEST_BYTES
-    body = {
-        "error": {
-            "message": f"Request body is larger than the limit of {limit} bytes.",
-            "type": "invalid_request_error",
-            "param": None,
-            "code": "request_too_large",
-        }
-    }
-    return Reply(413, json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    return Reply.json(too_large_body(settings.MAX_REQUEST_BYTES, openai_shape=True), status=413)
 
 
 def _response_headers(reply: Reply, request_id: str, secure: bool) -> list[tuple[bytes, bytes]]:

@@ -23,9 +23,10 @@ logger = logging.getLogger(__name__)
 IN_FLIGHT: Counter[str] = Counter()
 
 
-def server_candidates(*, run_id, sticky: str = "") -> list[tuple[str, bool]]:
-    """Serving server URLs of a run with their ``healthy`` flag, best first: the session's own
-    server, then the least loaded. A server whose back-off has passed is listed with ``False``."""
+def server_candidates(*, run_id) -> list[tuple[str, bool]]:
+    """Serving server URLs of a run with their ``healthy`` flag, in registration order (a
+    server whose back-off has passed is listed with ``False``); ``order_candidates`` puts
+    them best first for a request."""
     now = timezone.now()
     servers = list(
         InferenceServer.objects.filter(run_id=run_id)
@@ -33,10 +34,11 @@ def server_candidates(*, run_id, sticky: str = "") -> list[tuple[str, bool]]:
         .order_by("registered_at")
         .values_list("url", "healthy")
     )
-    return order_candidates(servers, sticky)
+    return servers
 
 
 def order_candidates(servers: list[tuple[str, bool]], sticky: str) -> list[tuple[str, bool]]:
+    """The session's own server first, then the least loaded in this process."""
     return sorted(servers, key=lambda server: (server[0] != sticky, IN_FLIGHT[server[0]]))
 
 

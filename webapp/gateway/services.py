@@ -46,7 +46,7 @@ def gateway_authenticate(*, token: str | None, agent_id: str) -> GatewayAuth:
     if caller.session_id is not None:
         session = Session.objects.filter(pk=caller.session_id).first()
     if agent is None or (caller.session_id is not None and session is None):
-        raise GatewayError(404, f"Agent {agent_id} not found.", code="agent_not_found")
+        raise turns.agent_not_found(agent_id)
     return GatewayAuth(agent=agent, session=session, caller=caller)
 
 
@@ -75,12 +75,12 @@ def session_open(
     *,
     agent: Agent,
     run: Run,
-    one_turn: bool,
     task_id: str = "",
     metadata: dict | None = None,
     replaces: Session | None = None,
 ) -> tuple[Session, str | None]:
-    """Admit and open a session. Returns it with its plaintext key (None for one-turn sessions).
+    """Admit and open a session. Returns it with its plaintext key (None when ``replaces``
+    hands its key on). One-turn sessions are not opened here: ``turns.record`` writes them.
 
     ``replaces``: a live session whose key is moved onto the new session (the agent
     keeps its key across episodes); the old session ends first.
@@ -94,7 +94,7 @@ def session_open(
         if replaces is not None:
             key_hash = replaces.key_hash
             Session.objects.filter(pk=replaces.pk).update(key_hash=None)
-        elif not one_turn:
+        else:
             plaintext = generate_key(SESSION_KEY_PREFIX)
             key_hash = hash_key(plaintext)
         session = Session.objects.create(
@@ -102,7 +102,6 @@ def session_open(
             agent=agent,
             run=run,
             key_hash=key_hash,
-            one_turn=one_turn,
             task_id=task_id,
             metadata=metadata or {},
             admitted_version=run.weight_version,

@@ -34,6 +34,7 @@ from django.utils.dateparse import parse_datetime
 from webapp import ratelimit
 from webapp.accounts.keys import SESSION_KEY_PREFIX, hash_key
 from webapp.accounts.models import APIKey
+from webapp.accounts.services import LAST_USED_RESOLUTION
 from webapp.agents.models import Agent
 from webapp.gateway import admission
 from webapp.gateway.errors import GatewayError
@@ -41,7 +42,6 @@ from webapp.gateway.models import Interaction, Session
 from webapp.gateway.prompts import PreviousTurn
 from webapp.runs.models import Run
 
-LAST_USED_RESOLUTION = timedelta(minutes=1)  # as webapp.accounts.services
 REPLAY_WINDOW = timedelta(minutes=10)  # how long a one-turn completion answers an SDK retry
 
 _KEYS, _AGENTS, _RUNS = APIKey._meta.db_table, Agent._meta.db_table, Run._meta.db_table
@@ -169,7 +169,11 @@ def _agent_uuid(agent_id) -> uuid.UUID:
     try:
         return _uuid(agent_id)
     except ValueError:
-        raise GatewayError(404, f"Agent {agent_id} not found.", code="agent_not_found") from None
+        raise agent_not_found(agent_id) from None
+
+
+def agent_not_found(agent_id) -> GatewayError:
+    return GatewayError(404, f"Agent {agent_id} not found.", code="agent_not_found")
 
 
 def missing_key() -> GatewayError:
@@ -196,7 +200,7 @@ def authenticate(cursor, *, token: str | None, agent_id) -> Caller:
         if row is None:
             raise GatewayError(401, "Invalid or superseded session key.", code="invalid_api_key")
         if _uuid(row[4]) != agent_uuid:
-            raise GatewayError(404, f"Agent {agent_id} not found.", code="agent_not_found")
+            raise agent_not_found(agent_id)
         return Caller(
             agent_id=agent_uuid,
             agent_name=row[5],
@@ -226,7 +230,7 @@ def authenticate(cursor, *, token: str | None, agent_id) -> Caller:
             [_value(cursor, APIKey, "last_used_at", now), row[0]],
         )
     if row[5] is None:
-        raise GatewayError(404, f"Agent {agent_id} not found.", code="agent_not_found")
+        raise agent_not_found(agent_id)
     return Caller(
         agent_id=agent_uuid,
         agent_name=row[6],
@@ -261,12 +265,16 @@ def serving(caller: Caller) -> RunInfo:
             code="no_run",
         )
     if run.status != Run.Status.RUNNING:
-        raise GatewayError(
-            503,
-            f"Run '{run.name}' is {run.status}, not running. Start it from the dashboard or POST /api/v1/runs/{run.id}/start/.",
-            code="run_not_running",
-        )
+        raise not_running(run, run.status)
     return run
+
+
+def not_running(run: RunInfo, status: str) -> GatewayError:
+    return GatewayError(
+        503,
+        f"Run '{run.name}' is {status}, not running. Start it from the dashboard or POST /api/v1/runs/{run.id}/start/.",
+        code="run_not_running",
+    )
 
 
 def session_gone(session_id, status: str) -> GatewayError | None:
@@ -293,11 +301,7 @@ def budget_full(cursor, run: RunInfo) -> GatewayError:
     )
     status, version, running, accepted = cursor.fetchone()
     if status != Run.Status.RUNNING:
-        return GatewayError(
-            503,
-            f"Run '{run.name}' is {status}, not running. Start it from the dashboard or POST /api/v1/runs/{run.id}/start/.",
-            code="run_not_running",
-        )
+        return not_running(run, status)
     max_staleness, _, _ = admission.budget(run.config)
     return GatewayError(
         429,

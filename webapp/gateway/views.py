@@ -145,7 +145,6 @@ async def start_session(request, agent_id):
     session, plaintext = await _dbcall(services.session_open)(
         agent=auth.agent,
         run=run,
-        one_turn=False,
         task_id=str(task_id),
         metadata=metadata,
         replaces=replaces,
