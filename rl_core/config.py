@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -247,6 +248,17 @@ class RunConfig:
         return "grpo" if self.mode == "dataset" and self.group_size > 1 else "reinforce_pp"
 
 
+def stored_setting(config: Mapping[str, Any], name: str) -> Any:
+    """A setting of a stored run config (``RunConfig.to_dict()``): ``RunConfig``'s default
+    when the dict lacks it or holds null (a config stored before the setting existed), so
+    no reader repeats a default."""
+    value = config.get(name)
+    if value is not None:
+        return value
+    f = _FIELDS[name]
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc,operator]
+
+
 def reward_spec_errors(spec: Any) -> list[str]:
     """Messages describing what is wrong with a reward spec (empty when it is valid)."""
     if not isinstance(spec, dict):
@@ -330,3 +342,6 @@ def _check_bounds(name: str, value: float, meta: Any) -> None:
             raise ValueError(f"{name} must be at least {low}; got {value}.")
     if high is not None and value > high:
         raise ValueError(f"{name} must be at most {high}; got {value}.")
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(RunConfig)}

@@ -8,7 +8,11 @@ One step of ``TrainingLoop.run`` (each phase timed as ``timing/<phase>``)::
                    with it generation) keeps going
     weight_sync  → save weights, pause servers, update_weights_from_disk, continue
     report       → controller.on_version, reporter.version / .metrics, source.finished
-    checkpoint   → every ``save_every`` steps and at the end
+    checkpoint   → every ``save_every`` steps and at the end (``rl_core.checkpoints``)
+
+The ``filter_stale`` phase is the one place stale trajectories are dropped (the trainer
+trains what it is given): the loop refills the batch, gives the dropped slots back to the
+controller and reports ``staleness/dropped``.
 
 The loop knows nothing about where trajectories come from: a ``TrajectorySource``
 is an in-process queue fed by the rollout driver (``QueueSource``, see
@@ -24,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import json
 import logging
 import shutil
 import threading
@@ -34,14 +37,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from rl_core.checkpoints import CheckpointInfo, latest_checkpoint, write_checkpoint
 from rl_core.config import RunConfig
 from rl_core.inference.client import InferenceClient
-from rl_core.staleness import StalenessController
+from rl_core.staleness import StalenessController, is_fresh
 from rl_core.types import Trajectory
 
 logger = logging.getLogger(__name__)
-
-LOOP_STATE = "loop_state.json"  # written last into a checkpoint: its presence marks it complete
 
 
 # --------------------------------------------------------------------------- protocols
@@ -258,38 +260,6 @@ class WeightSync:
             self._clients = None
 
 
-# --------------------------------------------------------------------------- checkpoints
-
-
-@dataclass(frozen=True)
-class CheckpointInfo:
-    """A complete checkpoint directory and the loop position it resumes at."""
-
-    path: Path
-    step: int
-    version: int
-
-
-def latest_checkpoint(checkpoint_dir: str | Path | None) -> CheckpointInfo | None:
-    """The checkpoint with the highest step in ``checkpoint_dir`` (only complete ones count)."""
-    if checkpoint_dir is None or not Path(checkpoint_dir).is_dir():
-        return None
-    found = []
-    for state_file in Path(checkpoint_dir).glob(f"step_*/{LOOP_STATE}"):
-        try:
-            state = json.loads(state_file.read_text())
-            found.append(
-                CheckpointInfo(state_file.parent, int(state["step"]), int(state["version"]))
-            )
-        except (OSError, ValueError, KeyError):
-            logger.warning("ignoring unreadable checkpoint state %s", state_file)
-    return max(found, key=lambda c: c.step, default=None)
-
-
-def _dir_size(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
-
 # --------------------------------------------------------------------------- the loop
 
 
@@ -399,7 +369,7 @@ class TrainingLoop:
         self.last_checkpoint = str(info.path)
         self._checkpoint_step = info.step
         if self.controller is not None:
-            _advance_controller(self.controller, info.version)
+            self.controller.on_resume(info.version)
         self._resumed = info
         logger.info("resumed from %s at step %d, version %d", info.path, info.step, info.version)
         return info
@@ -493,7 +463,7 @@ class TrainingLoop:
             with phases.phase("filter_stale"):
                 stale = 0
                 for key, traj in items:
-                    if train_version - traj.oldest_version <= cfg.max_staleness:
+                    if is_fresh(traj, train_version, cfg.max_staleness):
                         kept.append((key, traj))
                     else:
                         dropped_keys.append(key)
@@ -517,9 +487,6 @@ class TrainingLoop:
         trajectories = [t for _, t in kept]
         with phases.phase("train_step"):
             stats = await asyncio.to_thread(self.trainer.train_step, trajectories)
-        if self.version == train_version:  # the trainer dropped everything itself
-            await self.source.finished([], [k for k, _ in kept] + dropped_keys, self.version)
-            return len(kept) + len(dropped_keys)
         self.step += 1
 
         sync_timing: dict[str, float] = {}
@@ -569,20 +536,18 @@ class TrainingLoop:
         if self.checkpoint_dir is None:
             return
         step, version = self.step, self.version
-        path = self.checkpoint_dir / f"step_{step:06d}"
         started = time.perf_counter()
-        await asyncio.to_thread(self.trainer.save_checkpoint, str(path))
-        (path / LOOP_STATE).write_text(json.dumps({"step": step, "version": version}))
-        size = await asyncio.to_thread(_dir_size, path)
+        path, size = await asyncio.to_thread(
+            write_checkpoint,
+            self.trainer.save_checkpoint,
+            self.checkpoint_dir,
+            step,
+            version,
+            keep=self.keep_checkpoints,
+        )
         self.last_checkpoint, self._checkpoint_step = str(path), step
         await self.reporter.checkpoint(version, step, str(path), size)
         logger.info("checkpoint %s (%d bytes) in %.2fs", path, size, time.perf_counter() - started)
-        if self.keep_checkpoints:
-            complete = sorted(
-                self.checkpoint_dir.glob(f"step_*/{LOOP_STATE}"), key=lambda p: p.parent.name
-            )
-            for old in complete[: -self.keep_checkpoints]:
-                shutil.rmtree(old.parent, ignore_errors=True)
 
 
 def rollout_stats(trajectories: Sequence[Trajectory]) -> dict[str, float]:
@@ -600,13 +565,3 @@ def rollout_stats(trajectories: Sequence[Trajectory]) -> dict[str, float]:
         "rollout/reward_error_frac": sum("reward_error" in t.metadata for t in trajectories) / n,
         "staleness/mixed_version_frac": mixed / n,
     }
-
-
-def _advance_controller(controller: StalenessController, version: int) -> None:
-    """Bring a fresh controller to a restored ``version``: those batches count as already trained."""
-    # StalenessController(version=v) starts at accepted = v * batch_size; this does the same
-    # for a controller that was built before the checkpoint was found.
-    with controller._lock:
-        if controller.version < version:
-            controller.accepted += (version - controller.version) * controller.batch_size
-            controller.version = version

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import random
 import time
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from rl_core.chat import ChatTokenizer, load_chat_tokenizer
+from rl_core.checkpoints import latest_checkpoint
 from rl_core.config import RunConfig
 from rl_core.inference.client import GenerateResult, InferenceClient
 from rl_core.loop import (
@@ -36,7 +38,6 @@ from rl_core.loop import (
     Trainer,
     TrainingLoop,
     WeightSync,
-    latest_checkpoint,
 )
 from rl_core.rewards import RewardFn, load_reward_fn, score
 from rl_core.staleness import StalenessController
@@ -127,6 +128,17 @@ def row_metadata(row: dict[str, Any]) -> dict[str, Any]:
     meta = dict(row.get("metadata") or {})
     meta.update({k: v for k, v in row.items() if k not in _ROW_KEYS})
     return meta
+
+
+def member_seed(run_seed: int, group: int, member: int) -> int:
+    """The sampling seed of one group member: reproducible from the run's seed, distinct per member.
+
+    SGLang and the torch engine take it as ``sampling_params["sampling_seed"]``; members
+    of a group share a prompt, so they must not share a seed (identical answers give a
+    group zero advantage). 63 bits, as both servers accept.
+    """
+    digest = hashlib.blake2b(f"{run_seed}:{group}:{member}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1
 
 
 class RolloutDriver:
@@ -284,13 +296,17 @@ class RolloutDriver:
                 group_number += 1
                 params = self.sampling_params(row)
                 admitted = await self._admit_group()
+                member_params = [
+                    {**params, "sampling_seed": member_seed(self.cfg.seed, group_number, m)}
+                    for m in range(admitted)
+                ]
                 members = [
-                    asyncio.create_task(self._generate(client, prompt_ids, params))
-                    for _ in range(admitted)
+                    asyncio.create_task(self._generate(client, prompt_ids, p))
+                    for p in member_params
                 ]
                 self.stats["groups_started"] += 1
                 task = asyncio.create_task(
-                    self._finish_group(index, prompt_text, prompt_ids, params, members)
+                    self._finish_group(index, prompt_text, prompt_ids, member_params, members)
                 )
                 self._groups.add(task)
                 task.add_done_callback(self._groups.discard)
@@ -314,7 +330,7 @@ class RolloutDriver:
         index: int,
         prompt_text: str,
         prompt_ids: list[int],
-        params: dict[str, Any],
+        member_params: list[dict[str, Any]],
         members: list[asyncio.Task[tuple[GenerateResult, float]]],
     ) -> None:
         accepted = False
@@ -335,7 +351,7 @@ class RolloutDriver:
                 return
             episodes = [
                 self._episode(index, prompt_text, prompt_ids, params, result, latency)
-                for result, latency in done
+                for params, (result, latency) in zip(member_params, done, strict=True)
             ]
             group_id = uuid.uuid4().hex
             for episode in episodes:

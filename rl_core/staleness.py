@@ -2,20 +2,42 @@
 
 Two halves keep every trained token at most ``max_staleness`` versions old:
 admission (``StalenessController``) stops new rollouts from starting too far
-ahead of training, and ``filter_stale`` drops, at training time, the few
-trajectories that still ended up too old (a slow rollout overtaken by faster
-ones). Admission alone cannot give the bound, because trajectories finish out
-of order; the filter alone would waste most rollouts when generation outruns
-training.
+ahead of training, and the training loop drops, before each step, the few
+trajectories that still ended up too old (``is_fresh``; a slow rollout overtaken
+by faster ones). Admission alone cannot give the bound, because trajectories finish
+out of order; the filter alone would waste most rollouts when generation outruns
+training. ``rl_core.loop`` is the one place that filters (and calls ``on_dropped``).
+
+The web gateway admits with the same rule, as one conditional UPDATE on the run's
+counters (``webapp.gateway.admission``), and reads its settings through
+``StalenessBudget.from_config``. This module imports neither torch nor Django.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
+from rl_core.config import stored_setting
 from rl_core.types import Trajectory
+
+
+class StalenessBudget(NamedTuple):
+    """The settings of the admission rule (see ``StalenessController``)."""
+
+    max_staleness: int
+    batch_size: int
+    max_concurrent_rollouts: int  # 0: no cap beyond the staleness budget
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> StalenessBudget:
+        """The budget of a stored run config (``RunConfig.to_dict()``).
+
+        A setting the dict lacks (or holds as null) takes ``RunConfig``'s default, so no
+        caller repeats a default.
+        """
+        return cls(*(int(stored_setting(config, name)) for name in cls._fields))
 
 
 class StalenessController:
@@ -35,6 +57,7 @@ class StalenessController:
     Asynchronous Reinforcement Learning System for Language Reasoning").
 
     ``max_concurrent_rollouts > 0`` additionally caps ``running``.
+    ``StalenessController(*StalenessBudget.from_config(config))`` builds one from a stored config.
     """
 
     def __init__(
@@ -106,6 +129,14 @@ class StalenessController:
             self.accepted -= n
             self.dropped += n
 
+    def on_resume(self, version: int) -> None:
+        """Training resumed from a checkpoint at ``version``: the batches of the versions
+        skipped count as accepted (trained), as in ``StalenessController(version=...)``."""
+        with self._lock:
+            if version > self.version:
+                self.accepted += (version - self.version) * self.batch_size
+                self.version = version
+
     def on_version(self, version: int) -> None:
         """The trainer published ``version``; capacity grows by ``batch_size`` per version."""
         with self._lock:
@@ -125,15 +156,20 @@ class StalenessController:
             }
 
 
+def is_fresh(trajectory: Trajectory, train_version: int, max_staleness: int) -> bool:
+    """Whether ``trajectory``'s oldest generated token is at most ``max_staleness`` versions behind.
+
+    ``train_version`` is the version of the weights the step starts from (the
+    proximal policy).
+    """
+    return train_version - trajectory.oldest_version <= max_staleness
+
+
 def filter_stale(
     trajectories: Sequence[Trajectory], train_version: int, max_staleness: int
 ) -> tuple[list[Trajectory], int]:
-    """Keep trajectories whose oldest generated token is at most ``max_staleness`` versions behind.
-
-    ``train_version`` is the version of the weights the step starts from (the
-    proximal policy). Returns ``(kept, dropped_count)``, order preserved.
-    """
-    kept = [t for t in trajectories if train_version - t.oldest_version <= max_staleness]
+    """The trajectories that are ``is_fresh``, order preserved, and how many were dropped."""
+    kept = [t for t in trajectories if is_fresh(t, train_version, max_staleness)]
     return kept, len(trajectories) - len(kept)
 
 
@@ -147,10 +183,12 @@ def free_capacity(
     max_concurrent_rollouts: int = 0,
 ) -> int:
     """Rollouts that may still start: ``(max_staleness + version + 1) * batch_size - accepted - running``,
-    also capped by ``max_concurrent_rollouts - running`` when that is set (AReaL's admission rule).
+    also capped by ``max_concurrent_rollouts - running`` when that is set (AReaL's admission rule),
+    and never below 0.
 
-    The web gateway calls this with counts from the database, so every web process applies
-    the same rule as the in-process ``StalenessController``.
+    ``StalenessController`` admits while this is positive. The web gateway does not call
+    it: it applies the same rule in SQL (``webapp.gateway.admission.admit``), and
+    ``tests/gateway/test_admission_rule_agrees.py`` checks that the two agree.
     """
     free = (max_staleness + version + 1) * batch_size - accepted - running
     if max_concurrent_rollouts:

@@ -1,7 +1,7 @@
 """A toy task the tiny model (``rl_core.tiny``) visibly learns on 2 CPU cores in well under a minute.
 
-The task: asked for the letter "b" in one of a few phrasings ("Say b.",
-"Reply with the letter b.", "b?", ...), answer "b". The reward
+The task: asked for the letter "v" in one of a few phrasings ("Say v.",
+"Reply with the letter v.", "v?", ...), answer "v". The reward
 (``say_letter_reward_fn``) is
 
 * 1.0 when the stripped completion is exactly the letter;
@@ -10,15 +10,16 @@ The task: asked for the letter "b" in one of a few phrasings ("Say b.",
 Why this task, honestly: the randomly initialised tiny model emits mostly high
 bytes, almost never a given letter and practically never its end-of-turn
 token. An exact-match reward would be 0 for every sample, and GRPO would train
-nothing. "b" is the lowercase letter the untrained model samples most often
-(about 1% of tokens), so a group of answers finds it by sampling, and the
+nothing. "v" is the lowercase letter the untrained model samples most often for
+these prompts (measured over 384 sampled 8-token answers: 5.5% of answers contain
+a "v", 0.7% of tokens; "b", the letter used before, is in 1.0% of answers, which
+left the first hit to luck: one CI run found it only after ~45 steps). The
 per-character share turns each hit into a gradient. With TOY_SETTINGS (8 new
-tokens, groups of 8, learning rate 3e-3) the mean reward goes from ~0.00 to
-0.75 ("bbbbbbbb") in 12-30 steps, 15-25 s with one torch-engine server and the
-trainer sharing 2 CPU cores (6 of 6 trial runs within 40 steps; when it rises
-depends on when sampling first finds "b"). 1.0 needs the model to stop after
-one "b": it almost never samples its end-of-turn token, so a short run does
-not learn that. We tried the natural variant, "Say x." for every letter x
+tokens, groups of 8, learning rate 3e-3) and seeded sampling (``RunConfig.seed``)
+the mean reward goes from ~0.01 to 0.75 ("vvvvvvvv") in about 10 steps, ~5 s with
+one torch-engine server and the trainer sharing 2 CPU cores. 1.0 needs the model
+to stop after one "v": it almost never samples its end-of-turn token, so a short
+run does not learn that. We tried the natural variant, "Say x." for every letter x
 with partial credit for lowercase letters: the tiny model cannot yet read the
 letter from the prompt, collapses onto one letter for every prompt within ~10
 steps and plateaus at the partial credit. A single target learns reliably.
@@ -34,7 +35,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-TOY_LETTER = "b"
+TOY_LETTER = "v"
 PHRASINGS = (
     "Say {letter}.",
     "Please say {letter}.",

@@ -1,7 +1,7 @@
 """The PPO trainer: trajectories in, a new policy version out.
 
 One ``train_step`` reads as its phases, each timed as ``timing/<phase>``:
-filter stale → advantages → pack → proximal (and reference) logprobs →
+advantages → pack → proximal (and reference) logprobs →
 per minibatch: micro-batches with gradient accumulation → all-reduce →
 clip → optimizer step; then the LR schedule and ``version += 1``.
 
@@ -36,7 +36,6 @@ from rl_core.config import RunConfig
 from rl_core.loss import LossConfig, ppo_loss
 from rl_core.metrics import PhaseTimer, StatsAccumulator
 from rl_core.packing import PackedBatch, micro_batches, pack, packed_logprobs
-from rl_core.staleness import filter_stale
 from rl_core.types import Trajectory
 
 logger = logging.getLogger(__name__)
@@ -168,42 +167,27 @@ class PPOTrainer:
     def train_step(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
         """One policy update from a batch of trajectories; returns metrics.
 
-        Trajectories too stale for ``cfg.max_staleness`` are dropped (``staleness/dropped``).
-        If none remain, nothing is trained and the version stays the same.
+        Every trajectory is trained: the caller drops stale ones first (``rl_core.loop``
+        does, with ``rl_core.staleness.is_fresh``). ``staleness/max`` and ``staleness/mean``
+        report how many versions behind the batch's oldest tokens are.
         """
+        if not trajectories:
+            raise ValueError("train_step needs at least one trajectory")
         cfg = self.cfg
         timer = PhaseTimer(sync_cuda=self.device.type == "cuda")
         started = time.perf_counter()
-        stats: dict[str, float] = {}
-
-        with timer.phase("filter_stale"):
-            batch, dropped = filter_stale(trajectories, self.version, cfg.max_staleness)
-            lags = [self.version - t.oldest_version for t in batch]
-        stats["staleness/dropped"] = float(dropped)
-        if not batch:
-            logger.warning(
-                "All %d trajectories were too stale for max_staleness=%d; nothing trained.",
-                dropped,
-                cfg.max_staleness,
-            )
-            return {
-                **stats,
-                "version": float(self.version),
-                "rollout/num_trajectories": 0.0,
-                **timer.stats(),
-            }
+        batch = list(trajectories)
+        lags = [self.version - t.oldest_version for t in batch]
         rewards = torch.tensor([t.reward(cfg.turn_discount) for t in batch])  # [N]
-        stats.update(
-            {
-                "staleness/max": float(max(lags)),
-                "staleness/mean": sum(lags) / len(lags),
-                "rollout/num_trajectories": float(len(batch)),
-                "rollout/reward": rewards.mean().item(),
-                "rollout/reward_std": rewards.std().item() if len(batch) > 1 else 0.0,
-                "rollout/response_tokens": sum(t.num_generated for t in batch) / len(batch),
-                "rollout/seq_len": sum(len(t.input_ids) for t in batch) / len(batch),
-            }
-        )
+        stats: dict[str, float] = {
+            "staleness/max": float(max(lags)),
+            "staleness/mean": sum(lags) / len(lags),
+            "rollout/num_trajectories": float(len(batch)),
+            "rollout/reward": rewards.mean().item(),
+            "rollout/reward_std": rewards.std().item() if len(batch) > 1 else 0.0,
+            "rollout/response_tokens": sum(t.num_generated for t in batch) / len(batch),
+            "rollout/seq_len": sum(len(t.input_ids) for t in batch) / len(batch),
+        }
 
         with timer.phase("advantages"):
             advantages, adv_stats = token_advantages(

@@ -2,7 +2,8 @@
 
 Importing this package loads only the HTTP client (httpx), never torch or
 transformers: the web process imports it. The torch engine
-(``rl_core.inference.torch_engine``) and the launchers (``rl_core.inference.launch``,
+(``rl_core.inference.torch_engine``) and the launchers (``rl_core.inference.launch``
+with the interface in ``rl_core.inference.process`` and SGLang's in
 ``rl_core.inference.sglang``) are imported by name where they are needed.
 """
 

@@ -14,19 +14,20 @@ torch engine queues it), so no polling is needed. Every token keeps the weight
 version the server reported for the segment that produced it
 (``meta_info.weight_version``), which is what staleness control is measured by.
 
-Field names were checked against SGLang's ``python/sglang/srt/entrypoints/http_server.py``
+The answers' shapes and the errors live in ``rl_core.inference.protocol``; field
+names were checked against SGLang's ``python/sglang/srt/entrypoints/http_server.py``
 and ``python/sglang/srt/managers/io_struct.py`` (``GenerateReqInput``,
-``PauseGenerationReqInput``, ``UpdateWeightFromDiskReqInput``) and
-``tokenizer_manager.py`` (``meta_info`` keys, ``[logprob, token_id, text]`` triples).
+``PauseGenerationReqInput``, ``UpdateWeightFromDiskReqInput``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +35,15 @@ import httpx
 import orjson
 
 from rl_core.inference.http1 import Http1Pool, HTTPConnectionError
+from rl_core.inference.protocol import (
+    GenerateChunk,
+    GenerateResult,
+    InferenceError,
+    InferenceUnavailable,
+    error_from_answer,
+    parse_segment,
+    parse_weight_version,
+)
 
 __all__ = [
     "GenerateChunk",
@@ -48,153 +58,88 @@ __all__ = [
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default when sampling_params has none
 
 
-class InferenceError(Exception):
-    """The server refused or failed a request. ``status`` is the HTTP status, if any."""
-
-    def __init__(self, message: str, *, status: int | None = None, body: Any = None):
-        super().__init__(message)
-        self.status = status
-        self.body = body
-
-
-class InferenceUnavailable(InferenceError):
-    """The server could not be reached, or answered 503: try another one, or later."""
-
-
-def parse_weight_version(value: Any) -> int:
-    """Steep names weight versions with integers (the policy version); parse the server's string.
-
-    SGLang reports ``"default"`` when launched without ``--weight-version``; that is
-    the initial policy, version 0.
-    """
-    if isinstance(value, bool):
-        raise InferenceError(f"weight_version {value!r} is not an integer policy version")
-    if isinstance(value, int):
-        return value
-    if value is None or value == "default":
-        return 0
-    try:
-        return int(str(value).strip())
-    except ValueError:
-        raise InferenceError(
-            f"weight_version {value!r} is not an integer policy version; launch servers with "
-            "--weight-version 0 and pass integer versions to update_weights_from_disk"
-        ) from None
-
-
-@dataclass
-class GenerateResult:
-    """One finished generation, possibly stitched from several resumed segments. Plain data.
-
-    ``output_logprobs[i]`` is the behaviour log-prob of ``output_ids[i]`` and
-    ``versions[i]`` the weight version that produced it; the lists have equal length
-    (``output_logprobs`` is empty when logprobs were not requested).
-    """
-
-    rid: str
-    output_ids: list[int]
-    output_logprobs: list[float]
-    versions: list[int]
-    finish_reason: str  # "stop" | "length" | "abort" (abort: the resume budget ran out)
-    matched_stop: int | str | None  # the stop token id or stop string that ended it
-    prompt_tokens: int  # of the original prompt
-    text: str  # the servers' decoded segments joined; decode output_ids when exactness matters
-    num_segments: int = 1  # 1 + number of resumes after aborts
-    top_logprobs: list[list[tuple[float, int]]] | None = (
-        None  # per token: (logprob, id), best first
-    )
-
-    @property
-    def completion_tokens(self) -> int:
-        return len(self.output_ids)
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-safe dict."""
-        return {
-            "rid": self.rid,
-            "output_ids": list(self.output_ids),
-            "output_logprobs": list(self.output_logprobs),
-            "versions": list(self.versions),
-            "finish_reason": self.finish_reason,
-            "matched_stop": self.matched_stop,
-            "prompt_tokens": self.prompt_tokens,
-            "text": self.text,
-            "num_segments": self.num_segments,
-            "top_logprobs": None
-            if self.top_logprobs is None
-            else [[list(x) for x in row] for row in self.top_logprobs],
-        }
-
-
-@dataclass
-class GenerateChunk:
-    """New tokens from a streaming generation; the last chunk has ``finish_reason`` set."""
-
-    output_ids: list[int]
-    output_logprobs: list[float]
-    versions: list[int]
-    finish_reason: str | None = None
-    matched_stop: int | str | None = None
-    top_logprobs: list[list[tuple[float, int]]] | None = None
-
-
 @dataclass
 class _Progress:
-    """What a (possibly resumed) generation has produced so far."""
+    """One generation across its resumed segments: what was asked, what came back so far."""
 
+    rid: str
     input_ids: list[int]
     params: dict[str, Any]
     max_new_tokens: int
+    return_logprob: bool
+    top_n: int
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     top: list[list[tuple[float, int]]] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
     segments: int = 0
+    finish: dict | None = None  # the last segment's finish_reason
+
+    @classmethod
+    def of(
+        cls,
+        input_ids: Sequence[int],
+        sampling_params: dict[str, Any] | None,
+        *,
+        rid: str | None,
+        return_logprob: bool,
+        top_n: int,
+    ) -> _Progress:
+        params = dict(sampling_params or {})
+        max_new = params.get("max_new_tokens")
+        return cls(
+            rid=rid or uuid.uuid4().hex,
+            input_ids=[int(t) for t in input_ids],
+            params=params,
+            max_new_tokens=DEFAULT_MAX_NEW_TOKENS if max_new is None else int(max_new),
+            return_logprob=return_logprob,
+            top_n=top_n,
+        )
 
     @property
     def remaining(self) -> int:
         return self.max_new_tokens - len(self.output_ids)
 
-    def segment_params(self) -> dict[str, Any]:
+    def body(self, *, stream: bool) -> dict[str, Any]:
+        """The next segment's /generate body: the prompt plus everything generated so far."""
         params = dict(self.params)
         params["max_new_tokens"] = self.remaining
         if params.get("min_new_tokens"):
             params["min_new_tokens"] = max(0, int(params["min_new_tokens"]) - len(self.output_ids))
-        return params
+        body: dict[str, Any] = {
+            "input_ids": self.input_ids + self.output_ids,
+            "sampling_params": params,
+            "return_logprob": self.return_logprob,
+            "logprob_start_len": -1,  # no prompt logprobs: they cost a full-vocab pass per prompt token
+            "rid": self.rid,
+        }
+        if self.top_n:
+            body["top_logprobs_num"] = self.top_n
+        if stream:
+            body["stream"] = True
+        return body
 
+    def record(self, chunk: GenerateChunk) -> None:
+        self.output_ids += chunk.output_ids
+        self.logprobs += chunk.output_logprobs
+        self.versions += chunk.versions
+        if chunk.top_logprobs:
+            self.top += chunk.top_logprobs
 
-def _segment(
-    data: dict[str, Any], *, return_logprob: bool, top_n: int
-) -> tuple[list[int], list[float], int, dict | None, list]:
-    """Parse one /generate response: ids, logprobs, version, finish_reason, top logprobs."""
-    try:
-        ids = [int(t) for t in data["output_ids"]]
-        meta = data["meta_info"]
-    except (KeyError, TypeError, ValueError) as exc:
-        raise InferenceError(f"malformed /generate response (missing {exc})", body=data) from None
-    logprobs: list[float] = []
-    if return_logprob:
-        entries = meta.get("output_token_logprobs") or []
-        if len(entries) != len(ids):
-            raise InferenceError(
-                f"/generate returned {len(ids)} output ids but {len(entries)} output_token_logprobs",
-                body=data,
-            )
-        logprobs = [float(e[0]) for e in entries]
-    top: list[list[tuple[float, int]]] = []
-    if top_n:
-        top = [
-            [(float(e[0]), int(e[1])) for e in row or []]
-            for row in meta.get("output_top_logprobs") or []
-        ]
-    return (
-        ids,
-        logprobs,
-        parse_weight_version(meta.get("weight_version")),
-        meta.get("finish_reason"),
-        top,
-    )
+    def result(self) -> GenerateResult:
+        return GenerateResult(
+            rid=self.rid,
+            output_ids=self.output_ids,
+            output_logprobs=self.logprobs,
+            versions=self.versions,
+            finish_reason=_finish_type(self.finish, self.remaining),
+            matched_stop=(self.finish or {}).get("matched"),
+            prompt_tokens=len(self.input_ids),
+            text="".join(self.texts),
+            num_segments=self.segments,
+            top_logprobs=self.top if self.top_n else None,
+        )
 
 
 class InferenceClient:
@@ -256,37 +201,6 @@ class InferenceClient:
 
     # ----- generation
 
-    def _generate_body(
-        self, progress: _Progress, *, rid: str, return_logprob: bool, top_n: int, stream: bool
-    ) -> dict:
-        body: dict[str, Any] = {
-            "input_ids": progress.input_ids + progress.output_ids,
-            "sampling_params": progress.segment_params(),
-            "return_logprob": return_logprob,
-            "logprob_start_len": -1,  # no prompt logprobs: they cost a full-vocab pass per prompt token
-            "rid": rid,
-        }
-        if top_n:
-            body["top_logprobs_num"] = top_n
-        if stream:
-            body["stream"] = True
-        return body
-
-    def _start(self, input_ids: Sequence[int], sampling_params: dict[str, Any] | None) -> _Progress:
-        params = dict(sampling_params or {})
-        max_new = params.get("max_new_tokens")
-        return _Progress(
-            input_ids=[int(t) for t in input_ids],
-            params=params,
-            max_new_tokens=DEFAULT_MAX_NEW_TOKENS if max_new is None else int(max_new),
-        )
-
-    async def _before_resume(self, progress: _Progress, new_tokens: int) -> None:
-        # A pause makes the resubmitted request wait server-side; this only spaces out
-        # retries when aborts keep coming without progress (e.g. an operator abort loop).
-        if new_tokens == 0:
-            await asyncio.sleep(min(0.05 * 2 ** min(progress.segments, 6), 2.0))
-
     async def generate(
         self,
         input_ids: Sequence[int],
@@ -306,35 +220,16 @@ class InferenceClient:
         that way; then the partial output is lost) and ``InferenceUnavailable`` when
         the server cannot be reached.
         """
-        rid = rid or uuid.uuid4().hex
-        progress = self._start(input_ids, sampling_params)
-        finish: dict | None = None
-        while True:
-            body = self._generate_body(
-                progress,
-                rid=rid,
-                return_logprob=return_logprob,
-                top_n=top_logprobs_num,
-                stream=False,
-            )
-            data = await self._post_generate(body)
-            ids, logprobs, version, finish, top = _segment(
-                data, return_logprob=return_logprob, top_n=top_logprobs_num
-            )
-            progress.segments += 1
-            progress.output_ids += ids
-            progress.logprobs += logprobs
-            progress.versions += [version] * len(ids)
-            progress.top += top
-            progress.texts.append(data.get("text") or "")
-            if (
-                not _is_abort(finish)
-                or progress.remaining <= 0
-                or progress.segments > self.max_resumes
-            ):
-                break
-            await self._before_resume(progress, len(ids))
-        return self._result(rid, progress, finish, top_logprobs_num)
+        progress = _Progress.of(
+            input_ids,
+            sampling_params,
+            rid=rid,
+            return_logprob=return_logprob,
+            top_n=top_logprobs_num,
+        )
+        async for _ in self._resumed(progress, stream=False):
+            pass
+        return progress.result()
 
     async def generate_stream(
         self,
@@ -351,81 +246,93 @@ class InferenceClient:
         segment so far), which both backends use unless SGLang runs with
         ``--incremental-streaming-output``. The last chunk carries ``finish_reason``.
         """
-        rid = rid or uuid.uuid4().hex
-        progress = self._start(input_ids, sampling_params)
-        while True:
-            body = self._generate_body(
-                progress,
-                rid=rid,
-                return_logprob=return_logprob,
-                top_n=top_logprobs_num,
-                stream=True,
-            )
-            seen, finish, version = 0, None, 0
-            try:
-                async with self._http.stream(
-                    "POST", self.base_url + "/generate", json=body
-                ) as response:
-                    if response.status_code >= 400:
-                        await response.aread()
-                        raise _error_for(response, "POST /generate")
-                    async for data in _sse_events(response):
-                        ids, logprobs, version, finish, top = _segment(
-                            data, return_logprob=return_logprob, top_n=top_logprobs_num
-                        )
-                        new_ids = ids[seen:]
-                        chunk = GenerateChunk(
-                            output_ids=new_ids,
-                            output_logprobs=logprobs[seen:],
-                            versions=[version] * len(new_ids),
-                            top_logprobs=top[seen:] if top_logprobs_num else None,
-                        )
-                        seen = len(ids)
-                        progress.output_ids += chunk.output_ids
-                        progress.logprobs += chunk.output_logprobs
-                        progress.versions += chunk.versions
-                        if finish is None:
-                            if chunk.output_ids:
-                                yield chunk
-                            continue
-                        progress.segments += 1
-                        if (
-                            _is_abort(finish)
-                            and progress.remaining > 0
-                            and progress.segments <= self.max_resumes
-                        ):
-                            if chunk.output_ids:
-                                yield chunk
-                            break  # resume below
-                        chunk.finish_reason, chunk.matched_stop = (
-                            _finish_type(finish, progress.remaining),
-                            finish.get("matched"),
-                        )
-                        yield chunk
-                        return
-            except httpx.TransportError as exc:
-                raise InferenceUnavailable(
-                    f"POST {self.base_url}/generate (stream): {exc!r}"
-                ) from exc
-            if finish is None:
-                raise InferenceError("the /generate stream ended without a finish_reason")
-            await self._before_resume(progress, seen)
-
-    def _result(
-        self, rid: str, progress: _Progress, finish: dict | None, top_n: int
-    ) -> GenerateResult:
-        return GenerateResult(
+        progress = _Progress.of(
+            input_ids,
+            sampling_params,
             rid=rid,
-            output_ids=progress.output_ids,
-            output_logprobs=progress.logprobs,
-            versions=progress.versions,
-            finish_reason=_finish_type(finish, progress.remaining),
-            matched_stop=(finish or {}).get("matched"),
-            prompt_tokens=len(progress.input_ids),
-            text="".join(progress.texts),
-            num_segments=progress.segments,
-            top_logprobs=progress.top if top_n else None,
+            return_logprob=return_logprob,
+            top_n=top_logprobs_num,
         )
+        # Closing this stream early closes the server's stream (and ends its request) now.
+        async with contextlib.aclosing(self._resumed(progress, stream=True)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+
+    async def _resumed(
+        self, progress: _Progress, *, stream: bool
+    ) -> AsyncGenerator[GenerateChunk, None]:
+        """The resume loop of ``generate`` and ``generate_stream``, one request per segment.
+
+        Yields the new tokens of every server answer as a chunk and records them in
+        ``progress``. While a segment ends aborted with budget and resumes left, it
+        resubmits the prompt plus everything generated so far; each token keeps the
+        version of the segment that produced it. The last chunk carries the finish reason.
+        """
+        while True:
+            seen, finish, text = 0, None, ""
+            chunk = GenerateChunk(output_ids=[], output_logprobs=[], versions=[])
+            events = self._segment_events(progress.body(stream=stream), stream=stream)
+            async with contextlib.aclosing(events):
+                async for data in events:
+                    # Each answer carries the whole segment so far; the chunk is what is new.
+                    ids, logprobs, version, finish, top = parse_segment(
+                        data, return_logprob=progress.return_logprob, top_n=progress.top_n
+                    )
+                    chunk = GenerateChunk(
+                        output_ids=ids[seen:],
+                        output_logprobs=logprobs[seen:],
+                        versions=[version] * (len(ids) - seen),
+                        top_logprobs=top[seen:] if progress.top_n else None,
+                    )
+                    seen, text = len(ids), data.get("text") or ""
+                    progress.record(chunk)
+                    if finish is not None:
+                        break
+                    if chunk.output_ids:
+                        yield chunk
+            if finish is None and stream:
+                raise InferenceError("the /generate stream ended without a finish_reason")
+            progress.segments += 1
+            progress.texts.append(text)
+            progress.finish = finish
+            if (
+                _is_abort(finish)
+                and progress.remaining > 0
+                and progress.segments <= self.max_resumes
+            ):
+                if chunk.output_ids:
+                    yield chunk
+                await self._before_resume(progress, seen)
+                continue
+            chunk.finish_reason = _finish_type(finish, progress.remaining)
+            chunk.matched_stop = (finish or {}).get("matched")
+            yield chunk
+            return
+
+    async def _before_resume(self, progress: _Progress, new_tokens: int) -> None:
+        # A pause makes the resubmitted request wait server-side; this only spaces out
+        # retries when aborts keep coming without progress (e.g. an operator abort loop).
+        if new_tokens == 0:
+            await asyncio.sleep(min(0.05 * 2 ** min(progress.segments, 6), 2.0))
+
+    async def _segment_events(
+        self, body: dict[str, Any], *, stream: bool
+    ) -> AsyncGenerator[Any, None]:
+        """The server's answers to one ``/generate`` request: one, or one per streamed event."""
+        if not stream:
+            yield await self._post_generate(body)
+            return
+        try:
+            async with self._http.stream(
+                "POST", self.base_url + "/generate", json=body
+            ) as response:
+                if response.status_code >= 400:
+                    await response.aread()
+                    raise _error_for(response, "POST /generate")
+                async for data in _sse_events(response):
+                    yield data
+        except httpx.TransportError as exc:
+            raise InferenceUnavailable(f"POST {self.base_url}/generate (stream): {exc!r}") from exc
 
     # ----- control
 
@@ -552,22 +459,7 @@ def _finish_type(finish: dict | None, remaining: int) -> str:
 
 
 def _error_for(response: httpx.Response, what: str) -> InferenceError:
-    return _error(response.status_code, response.text, what)
-
-
-def _error(status: int, text: str, what: str) -> InferenceError:
-    try:
-        body: Any = json.loads(text)
-    except ValueError:
-        body = text
-    message = body
-    if isinstance(body, dict):
-        err = body.get("error")
-        message = (
-            body.get("message") or (err.get("message") if isinstance(err, dict) else err) or body
-        )
-    cls = InferenceUnavailable if status == 503 else InferenceError
-    return cls(f"{what} -> {status}: {message}", status=status, body=body)
+    return error_from_answer(response.status_code, response.text, what)
 
 
 class PooledInferenceClient(InferenceClient):
@@ -588,7 +480,7 @@ class PooledInferenceClient(InferenceClient):
         except HTTPConnectionError as exc:
             raise InferenceUnavailable(f"POST {self.base_url}/generate: {exc}") from exc
         if status >= 400:
-            raise _error(status, payload.decode("utf-8", "replace"), "POST /generate")
+            raise error_from_answer(status, payload.decode("utf-8", "replace"), "POST /generate")
         try:
             return orjson.loads(payload)
         except ValueError:

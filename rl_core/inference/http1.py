@@ -76,6 +76,7 @@ class _Connection(asyncio.Protocol):
         self.received = False
         self.parser = httptools.HttpResponseParser(self)
         self.waiter = asyncio.get_running_loop().create_future()
+        assert self.transport is not None, "send() before the connection was made"
         self.transport.write(request)
         return self.waiter
 

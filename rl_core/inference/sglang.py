@@ -1,7 +1,7 @@
 """Launch SGLang (``python -m sglang.launch_server``) on a GPU machine.
 
 Same interface as the torch engine's launcher (``InferenceServer`` in
-``rl_core.inference.launch``). Flag names are SGLang's ``ServerArgs`` CLI flags
+``rl_core.inference.process``); ``rl_core.inference.launch`` picks between them. Flag names are SGLang's ``ServerArgs`` CLI flags
 (``--model-path``, ``--host``, ``--port``, ``--tp-size``, ``--mem-fraction-static``,
 ``--max-running-requests``, ``--context-length``, ``--dtype``, ``--base-gpu-id``,
 ``--served-model-name``, ``--random-seed``, ``--weight-version``, ``--log-level``).
@@ -18,7 +18,7 @@ import os
 import sys
 from typing import Any
 
-from rl_core.inference.launch import InferenceServer
+from rl_core.inference.process import InferenceServer
 
 # Both spellings: older SGLang releases read RETURN_ORIGINAL_LOGPROB.
 LOGPROB_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1", "RETURN_ORIGINAL_LOGPROB": "1"}

@@ -235,20 +235,25 @@ async def test_admission_waits_for_the_next_version_when_the_budget_is_spent(
     assert controller.running == 0 and controller.accepted == 16
 
 
-async def test_max_concurrent_rollouts_caps_what_is_in_flight(tiny_model_dir, torch_engine):
-    cfg = _cfg(tiny_model_dir, max_staleness=4, max_concurrent_rollouts=4, max_new_tokens=16)
-    controller = StalenessController(4, 8, max_concurrent_rollouts=4)
-    sink = Collect()
-    driver = _driver(cfg, [torch_engine.url], controller=controller, sink=sink)
+class PeakController(StalenessController):
+    """Remembers the most rollouts ever running, seen at each admission (polling could miss it)."""
+
     peak = 0
 
-    def watch() -> bool:
-        nonlocal peak
-        peak = max(peak, controller.running)
-        return len(sink.groups) >= 4
+    def try_admit(self) -> bool:
+        admitted = super().try_admit()
+        self.peak = max(self.peak, self.running)
+        return admitted
 
-    await _drive(driver, watch)
-    assert peak == 4
+
+async def test_max_concurrent_rollouts_caps_what_is_in_flight(tiny_model_dir, torch_engine):
+    cfg = _cfg(tiny_model_dir, max_staleness=4, max_concurrent_rollouts=4, max_new_tokens=16)
+    controller = PeakController(4, 8, max_concurrent_rollouts=4)
+    sink = Collect()
+    driver = _driver(cfg, [torch_engine.url], controller=controller, sink=sink)
+
+    await _drive(driver, lambda: len(sink.groups) >= 4)
+    assert controller.peak == 4
     assert controller.running == 0
 
 
@@ -269,9 +274,22 @@ async def test_groups_go_round_robin_over_the_servers(tiny_model_dir, torch_engi
     sink = Collect()
     cfg = _cfg(tiny_model_dir, max_staleness=3)
     driver = _driver(cfg, [torch_engine.url, dead], sink=sink)
+    calls: list[str] = []  # the server of each rollout, in the order they started
+    generate = driver._generate
+
+    async def recorded(client, prompt_ids, params):
+        calls.append(client.base_url)
+        return await generate(client, prompt_ids, params)
+
+    driver._generate = recorded
     await _drive(driver, lambda: driver.stats["groups_failed"] >= 2 and len(sink.groups) >= 2)
-    # Every other group goes to the dead server.
-    assert abs(driver.stats["groups_failed"] - driver.stats["groups_submitted"]) <= 2
+    # Every other group goes to the dead server, all of its members together.
+    size = cfg.group_size
+    groups = [calls[start : start + size] for start in range(0, len(calls) - size + 1, size)]
+    assert len(groups) >= 4
+    assert [set(group) for group in groups] == [
+        {(torch_engine.url, dead)[number % 2]} for number in range(len(groups))
+    ]
 
 
 async def test_sampling_overrides_apply_per_group(tiny_model_dir, torch_engine):
@@ -285,6 +303,29 @@ async def test_sampling_overrides_apply_per_group(tiny_model_dir, torch_engine):
     await _drive(driver, lambda: len(sink.groups) >= 2)
     assert all(len(e.output_ids) == 3 for e in sink.episodes)
     assert all(e.finish_reason == "length" for e in sink.episodes)
+
+
+async def test_sampling_is_seeded_by_the_run_seed_distinct_per_member(tiny_model_dir, torch_engine):
+    """The same seed samples the same answers; each member of a group gets its own seed."""
+
+    async def first_groups(seed: int) -> list[list[Episode]]:
+        sink = Collect()
+        cfg = _cfg(tiny_model_dir, seed=seed, temperature=1.0, max_new_tokens=12)
+        await _drive(_driver(cfg, [torch_engine.url], sink=sink), lambda: len(sink.groups) >= 2)
+        return sorted(sink.groups[:2], key=lambda g: g[0].sampling["sampling_seed"])
+
+    def answers(groups: list[list[Episode]]) -> list[list[int]]:
+        return [e.output_ids for g in groups for e in g]
+
+    def seeds(groups: list[list[Episode]]) -> list[int]:
+        return [e.sampling["sampling_seed"] for g in groups for e in g]
+
+    first, again, other = await first_groups(3), await first_groups(3), await first_groups(4)
+    assert len(set(seeds(first))) == len(seeds(first)) == 8
+    assert seeds(again) == seeds(first)
+    assert answers(again) == answers(first)
+    assert not set(seeds(other)) & set(seeds(first))
+    assert answers(other) != answers(first)
 
 
 async def test_queue_sink_feeds_the_training_source(tiny_model_dir, torch_engine):

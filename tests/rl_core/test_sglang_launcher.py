@@ -8,6 +8,7 @@ import sys
 import httpx
 import pytest
 
+from rl_core.config import INFERENCE_BACKENDS
 from rl_core.inference import launch
 from rl_core.inference.launch import (
     ServerStartError,
@@ -153,3 +154,9 @@ def test_sglang_server_generates_with_logprobs_and_version(tiny_model_dir, tmp_p
     assert len(data["output_ids"]) == 4
     assert [t[1] for t in data["meta_info"]["output_token_logprobs"]] == data["output_ids"]
     assert data["meta_info"]["weight_version"] == "5"
+
+
+def test_every_configurable_backend_but_auto_has_a_launcher():
+    assert set(INFERENCE_BACKENDS) == {"auto", *launch.LAUNCHERS}
+    for name, launcher in launch.LAUNCHERS.items():
+        assert launcher.backend == name

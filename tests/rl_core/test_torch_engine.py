@@ -341,9 +341,12 @@ async def test_pause_aborts_in_flight_requests_and_holds_new_ones_until_continue
     assert meta["weight_version"] == "0"
 
     held = asyncio.create_task(generate(url, PROMPT, max_new_tokens=3, temperature=0))
-    await asyncio.sleep(0.5)
+
+    async def arrived() -> bool:  # however long the request takes to get there
+        return (await stats(url))["num_waiting_reqs"] == 1
+
+    await wait_for(arrived)
     assert not held.done()  # paused: new requests wait, like SGLang's pause condition
-    assert (await stats(url))["num_waiting_reqs"] == 1
     await post(url, "/continue_generation", {})
     done = await asyncio.wait_for(held, 10)
     assert done["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
@@ -443,7 +446,7 @@ async def test_update_waits_for_running_requests_unless_told_to_abort(slow_engin
 
 
 def test_engine_module_serves_the_documented_cli(tiny_model_dir: Path):
-    from rl_core.inference.torch_engine import _parse_args
+    from rl_core.inference.torch_engine.__main__ import _parse_args
 
     args = _parse_args(
         [

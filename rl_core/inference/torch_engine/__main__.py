@@ -1,0 +1,112 @@
+"""``python -m rl_core.inference.torch_engine``: serve a model over SGLang's native HTTP API.
+
+    python -m rl_core.inference.torch_engine --model-path PATH --port 30000 \\
+        [--host 127.0.0.1] [--max-running-requests 32] [--weight-version 0] \\
+        [--num-threads N] [--dtype float32] [--device cpu] [--context-length N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import random
+
+import torch
+from aiohttp import web
+
+from rl_core.inference.torch_engine.engine import TorchEngine, load_model
+from rl_core.inference.torch_engine.server import build_app
+
+logger = logging.getLogger("rl_core.inference.torch_engine")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m rl_core.inference.torch_engine",
+        description="Serve a causal LM over SGLang's native HTTP API with plain PyTorch.",
+    )
+    parser.add_argument(
+        "--model-path", required=True, help="Local directory with the model and tokenizer."
+    )
+    parser.add_argument(
+        "--tokenizer-path", default=None, help="Tokenizer directory (default: --model-path)."
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument(
+        "--max-running-requests", type=int, default=32, help="Largest decode batch."
+    )
+    parser.add_argument(
+        "--weight-version", default="default", help="Reported as meta_info.weight_version."
+    )
+    parser.add_argument(
+        "--context-length",
+        type=int,
+        default=None,
+        help="Default: the model's max_position_embeddings.",
+    )
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--dtype", choices=["auto", *_DTYPES], default="float32")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--num-threads",
+        type=int,
+        default=int(os.environ.get("STEEP_TORCH_THREADS", "0")) or None,
+        help="torch intra-op threads (default: $STEEP_TORCH_THREADS, else torch's default).",
+    )
+    parser.add_argument(
+        "--random-seed", type=int, default=None, help="Seed for requests without sampling_seed."
+    )
+    parser.add_argument("--log-level", default="info")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    if args.random_seed is not None:
+        random.seed(args.random_seed)
+    from transformers import AutoTokenizer
+
+    dtype = torch.float32 if args.dtype in ("auto", "float32") else _DTYPES[args.dtype]
+    model = load_model(args.model_path, dtype=dtype, device=args.device)
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
+    server_args = {k: v for k, v in vars(args).items() if k != "log_level"}
+    server_args["tokenizer_path"] = args.tokenizer_path or args.model_path
+    engine = TorchEngine(
+        model,
+        tokenizer,
+        model_path=args.model_path,
+        max_running_requests=args.max_running_requests,
+        weight_version=args.weight_version,
+        context_length=args.context_length,
+        served_model_name=args.served_model_name,
+        server_args=server_args,
+    )
+    engine.start()
+    logger.info(
+        "serving %s (weight version %s) on http://%s:%d",
+        args.model_path,
+        engine.weight_version,
+        args.host,
+        args.port,
+    )
+    web.run_app(
+        build_app(engine),
+        host=args.host,
+        port=args.port,
+        handler_cancellation=True,
+        print=None,
+        access_log=None,
+    )
+
+
+if __name__ == "__main__":
+    main()

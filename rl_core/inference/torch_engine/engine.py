@@ -1,0 +1,460 @@
+"""The torch engine's model, running batch and scheduler thread (continuous batching).
+
+A scheduler thread admits queued requests between decode steps, prefills each
+new request on its own (no padding, so no fully-masked rows), then runs one
+batched decode step for all running requests over a left-padded KV cache
+(``kv_cache.PaddedBatchCache``). Model compute never runs on the HTTP event
+loop: other threads talk to the engine through ``submit`` and ``call``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rl_core.inference.torch_engine.kv_cache import PaddedBatchCache, make_cache
+from rl_core.inference.torch_engine.protocol import BadRequest, GenerateRequest, generate_response
+
+logger = logging.getLogger("rl_core.inference.torch_engine")
+
+_SAMPLING_EPS = 1e-6  # temperatures below this are greedy, as in SGLang
+
+
+class EngineStopped(RuntimeError):
+    """The engine is shutting down; answered with HTTP 503."""
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return ids
+
+
+class TorchEngine:
+    """The model, its running batch and the scheduler thread behind the HTTP API.
+
+    Other threads talk to it only through ``submit``, ``call`` and a few lock-guarded
+    flags; everything else (the batch, the KV cache, request progress) belongs to the
+    scheduler thread.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        model_path: str,
+        max_running_requests: int = 32,
+        weight_version: str = "default",
+        context_length: int | None = None,
+        served_model_name: str | None = None,
+        server_args: dict[str, Any] | None = None,
+    ):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.model_path = model_path
+        self.served_model_name = served_model_name or model_path
+        self.max_running_requests = max_running_requests
+        self.weight_version = str(weight_version)
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        max_positions: int = getattr(model.config, "max_position_embeddings", None) or 4096
+        self.context_length = int(context_length or max_positions)
+        self.eos_ids = _eos_ids(model, tokenizer)
+        self.server_args = dict(server_args or {})
+        self.device = next(model.parameters()).device
+        layer_types = getattr(model.config, "layer_types", None) or []
+        if any(t != "full_attention" for t in layer_types):
+            # The left-padded batch cache assumes every layer keeps all past keys.
+            raise ValueError(
+                f"the torch engine serves full-attention models only; this one has layers {sorted(set(layer_types))}"
+            )
+
+        self._cond = threading.Condition()
+        self._waiting: collections.deque[GenerateRequest] = collections.deque()  # guarded by _cond
+        self._commands: list[Callable[[], None]] = []  # guarded by _cond
+        # Run only when no request is running; guarded by _cond.
+        self._idle_commands: list[Callable[[], None]] = []
+        self._paused = False  # guarded by _cond
+        self._stopping = False
+        self._in_flight: dict[str, GenerateRequest] = {}  # rid -> request; guarded by _cond
+        self.forward_sleep_time: float | None = None
+
+        # The running batch (scheduler thread only); row i of the cache is _running[i].
+        self._running: list[GenerateRequest] = []
+        self._cache = PaddedBatchCache(self.device)
+
+        self.stats = {
+            "max_batch_size_seen": 0,
+            "num_decode_steps": 0,
+            "num_prefills": 0,
+            "num_finished_reqs": 0,
+            "num_aborted_reqs": 0,
+            "num_generated_tokens": 0,
+            "num_weight_updates": 0,
+            "busy_seconds": 0.0,  # wall time in scheduler steps (prefill + decode): utilisation
+        }
+        self._thread = threading.Thread(
+            target=self._run, name="torch-engine-scheduler", daemon=True
+        )
+
+    # ----- interface for other threads
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    def stop(self) -> None:
+        """Abort everything and end the scheduler thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join(timeout=30)
+
+    def submit(self, req: GenerateRequest) -> None:
+        """Queue a request; a duplicate in-flight ``rid`` is refused (as SGLang does)."""
+        with self._cond:
+            if self._stopping:
+                raise EngineStopped("the engine is shutting down")
+            if req.rid in self._in_flight:
+                raise BadRequest(f"A request with rid {req.rid!r} is already in flight.")
+            self._in_flight[req.rid] = req
+            self._waiting.append(req)
+            self._cond.notify_all()
+
+    def call(self, fn: Callable[[], Any], *, when_idle: bool = False) -> asyncio.Future[Any]:
+        """Run ``fn`` on the scheduler thread between steps; await the returned future.
+
+        ``when_idle`` waits until no request is running and admits none meanwhile: how a
+        weight update waits for in-flight requests, like SGLang's model-update lock.
+        """
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+
+        def settle(setter: Callable[[Any], None], value: Any) -> None:
+            if not fut.done():
+                setter(value)
+
+        def command() -> None:
+            try:
+                result = fn()
+            except BaseException as exc:  # delivered to the awaiting handler
+                loop.call_soon_threadsafe(settle, fut.set_exception, exc)
+            else:
+                loop.call_soon_threadsafe(settle, fut.set_result, result)
+
+        with self._cond:
+            if self._stopping:
+                raise EngineStopped("the engine is shutting down")
+            (self._idle_commands if when_idle else self._commands).append(command)
+            self._cond.notify_all()
+        return fut
+
+    @property
+    def paused(self) -> bool:
+        with self._cond:
+            return self._paused
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._cond:
+            waiting, paused = len(self._waiting), self._paused
+        return {
+            "num_running_reqs": len(self._running),
+            "num_waiting_reqs": waiting,
+            "paused": paused,
+            "weight_version": self.weight_version,
+            **self.stats,
+        }
+
+    # ----- commands (run on the scheduler thread)
+
+    def pause(self) -> int:
+        """Abort every running and queued request and hold new ones; return how many were aborted."""
+        with self._cond:
+            self._paused = True
+            queued = list(self._waiting)
+            self._waiting.clear()
+        victims = self._running + queued
+        for req in victims:
+            self._finish(req, {"type": "abort", "message": "Aborted by pause_generation."})
+        self._compact()
+        return len(victims)
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    def abort(
+        self, rid: str | None = None, *, abort_all: bool = False, req: GenerateRequest | None = None
+    ) -> int:
+        """Abort one request (by rid or object) or all of them; return how many."""
+        with self._cond:
+            queued = list(self._waiting)
+        targets = [
+            r
+            for r in self._running + queued
+            if abort_all or (req is not None and r is req) or (rid is not None and r.rid == rid)
+        ]
+        with self._cond:
+            for r in targets:
+                if r in self._waiting:
+                    self._waiting.remove(r)
+        for r in targets:
+            self._finish(r, {"type": "abort", "message": "Aborted by request."})
+        self._compact()
+        return len(targets)
+
+    def load_weights(self, model_path: str) -> Any:
+        """Load a model from ``model_path`` like the served one, for ``swap_model``.
+
+        Runs on any thread while the engine keeps serving; raises when the directory
+        holds no model or one whose parameter shapes differ from the served model's.
+        """
+        new_model = load_model(model_path, dtype=self.model.dtype, device=self.device)
+        _check_same_shapes(self.model, new_model)
+        return new_model
+
+    def swap_model(self, model: Any, model_path: str, weight_version: str | None) -> None:
+        """Install new weights; only called when no request is running."""
+        assert not self._running, "weights must not change under a running request"
+        self.model = model
+        self.model_path = model_path
+        if weight_version is not None:
+            self.weight_version = str(weight_version)
+        self.stats["num_weight_updates"] += 1
+
+    # ----- scheduler thread
+
+    def _has_work(self) -> bool:
+        admissible = bool(self._waiting) and not self._paused and not self._idle_commands
+        return bool(
+            self._stopping
+            or self._commands
+            or self._running
+            or admissible
+            or (self._idle_commands and not self._running)
+        )
+
+    def _run(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            with self._cond:
+                while not self._has_work():
+                    self._cond.wait()
+                if self._stopping:
+                    break
+                commands, self._commands = self._commands, []
+            for command in commands:
+                command()
+            with self._cond:
+                if self._idle_commands and not self._running:
+                    commands, self._idle_commands = self._idle_commands, []
+                else:
+                    commands = []
+            for command in commands:
+                command()
+            started = time.perf_counter()
+            try:
+                self._step()
+            except Exception as exc:  # never let one bad step kill the server
+                logger.exception("scheduler step failed; aborting the running batch")
+                for req in self._running:
+                    self._finish(req, {"type": "abort", "message": f"Engine error: {exc}"})
+                self._compact()
+            self.stats["busy_seconds"] += time.perf_counter() - started
+        # Shutting down: nobody waits forever.
+        with self._cond:
+            queued = list(self._waiting)
+            self._waiting.clear()
+        for req in self._running + queued:
+            self._finish(req, {"type": "abort", "message": "The server is shutting down."})
+        self._running = []
+        self._cache.clear()
+
+    def _step(self) -> None:
+        admitted: list[GenerateRequest] = []
+        with self._cond:
+            if not self._paused and not self._idle_commands:
+                while (
+                    self._waiting and len(self._running) + len(admitted) < self.max_running_requests
+                ):
+                    admitted.append(self._waiting.popleft())
+        for req in admitted:
+            try:
+                self._prefill(req)
+            except Exception as exc:  # a bad prompt must not take the batch down with it
+                logger.exception("prefill of %s failed", req.rid)
+                self._finish(req, {"type": "abort", "message": f"Engine error: {exc}"})
+        if self._running:
+            self._decode()
+            if self.forward_sleep_time:
+                time.sleep(self.forward_sleep_time)
+
+    def _prefill(self, req: GenerateRequest) -> None:
+        """Run the prompt alone (no padding), sample the first token, join the batch."""
+        if len(req.input_ids) >= self.context_length:  # the HTTP layer refuses these first
+            self._finish(req, {"type": "abort", "message": "The input exceeds the context length."})
+            return
+        want_input = 0 <= req.logprob_start_len < len(req.input_ids)
+        if req.params.max_new_tokens == 0 and not want_input:
+            self._finish(req, {"type": "length", "length": 0})
+            return
+        ids = torch.tensor([req.input_ids], device=self.device)  # [1, L]
+        out = self.model(
+            input_ids=ids,
+            position_ids=torch.arange(ids.shape[1], device=self.device)[None],
+            past_key_values=make_cache([]),
+            use_cache=True,
+            logits_to_keep=0 if want_input else 1,
+        )
+        self.stats["num_prefills"] += 1
+        logits = out.logits[0].float()  # [L or 1, V]
+        if want_input:
+            logprobs = torch.log_softmax(logits[:-1], dim=-1)  # row i predicts token i + 1
+            start = req.logprob_start_len
+            targets = torch.tensor(req.input_ids[1:], device=logits.device)
+            picked = logprobs.gather(-1, targets[:, None])[:, 0].tolist()
+            req.input_logprobs = [
+                (None if i == 0 else picked[i - 1], req.input_ids[i])
+                for i in range(start, len(req.input_ids))
+            ]
+        if req.params.max_new_tokens == 0:
+            self._finish(req, {"type": "length", "length": 0})
+            return
+        self._advance([req], logits[-1:])
+        if req.finish is None:
+            self._cache.join(out.past_key_values, len(req.input_ids))
+            self._running.append(req)
+        self.stats["max_batch_size_seen"] = max(
+            self.stats["max_batch_size_seen"], len(self._running)
+        )
+
+    def _decode(self) -> None:
+        """One batched decode step: feed every running request its last sampled token."""
+        batch = len(self._running)
+        last = torch.tensor([[r.output_ids[-1]] for r in self._running], device=self.device)
+        logits = self._cache.decode(self.model, last)  # [B, V]
+        self.stats["num_decode_steps"] += 1
+        self.stats["max_batch_size_seen"] = max(self.stats["max_batch_size_seen"], batch)
+        self._advance(self._running, logits.float())
+        self._compact()
+
+    def _advance(self, reqs: list[GenerateRequest], logits: torch.Tensor) -> None:
+        """Sample one token per request from ``logits`` [B, V] and check stop conditions."""
+        logits = logits.cpu()  # sampling uses per-request CPU generators
+        # Raw logits, temperature 1: the quantity the trainer recomputes.
+        logprobs = torch.log_softmax(logits, dim=-1)
+        for i, req in enumerate(reqs):
+            token = self._sample(logits[i], req)
+            req.output_ids.append(token)
+            req.output_logprobs.append(float(logprobs[i, token]))
+            if req.top_logprobs_num:
+                top = logprobs[i].topk(req.top_logprobs_num)
+                req.output_top.append(
+                    list(zip(top.values.tolist(), top.indices.tolist(), strict=True))
+                )
+            self.stats["num_generated_tokens"] += 1
+            finish = self._check_finish(req)
+            if finish is not None:
+                self._finish(req, finish)
+            elif req.stream:
+                req.sink(self._response(req), False)
+
+    def _sample(self, logits: torch.Tensor, req: GenerateRequest) -> int:
+        p = req.params
+        if len(req.output_ids) < p.min_new_tokens and not p.ignore_eos:
+            logits = logits.clone()
+            logits[list(self.eos_ids | set(p.stop_token_ids))] = float("-inf")
+        if p.temperature < _SAMPLING_EPS:
+            return int(torch.argmax(logits))
+        logits = logits / p.temperature
+        if 0 < p.top_k < logits.shape[-1]:
+            kth = torch.topk(logits, p.top_k).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        if p.top_p < 1.0:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            outside = (
+                torch.cumsum(sorted_probs, dim=-1) - sorted_probs > p.top_p
+            )  # keep the smallest nucleus
+            probs = torch.zeros_like(probs).scatter(
+                0, order, sorted_probs.masked_fill(outside, 0.0)
+            )
+        if p.min_p > 0.0:
+            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+        return int(torch.multinomial(probs, 1, generator=req.generator))
+
+    def _check_finish(self, req: GenerateRequest) -> dict[str, Any] | None:
+        p, token, n = req.params, req.output_ids[-1], len(req.output_ids)
+        if not p.ignore_eos and (token in self.eos_ids or token in p.stop_token_ids):
+            return {"type": "stop", "matched": token}
+        if p.stop:
+            text = self.tokenizer.decode(req.output_ids, skip_special_tokens=p.skip_special_tokens)
+            for s in p.stop:
+                if s in text:
+                    return {"type": "stop", "matched": s}
+        if n >= p.max_new_tokens or len(req.input_ids) + n >= self.context_length:
+            return {"type": "length", "length": n}
+        return None
+
+    def _finish(self, req: GenerateRequest, reason: dict[str, Any]) -> None:
+        if req.finish is not None:
+            return
+        req.finish = reason
+        with self._cond:
+            self._in_flight.pop(req.rid, None)
+        self.stats["num_finished_reqs"] += 1
+        if reason["type"] == "abort":
+            self.stats["num_aborted_reqs"] += 1
+        try:
+            req.sink(self._response(req), True)
+        except Exception:  # the client went away; nothing to deliver to
+            logger.debug("could not deliver the result of %s", req.rid, exc_info=True)
+
+    def _compact(self) -> None:
+        """Drop finished requests from the batch (and their cache rows)."""
+        keep = [i for i, r in enumerate(self._running) if r.finish is None]
+        if len(keep) == len(self._running):
+            return
+        self._running = [self._running[i] for i in keep]
+        self._cache.keep(keep)
+
+    def _response(self, req: GenerateRequest) -> dict[str, Any]:
+        return generate_response(req, tokenizer=self.tokenizer, weight_version=self.weight_version)
+
+
+def load_model(
+    path: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> Any:
+    """Load a causal LM from a local directory, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    if not Path(path).is_dir():
+        raise FileNotFoundError(f"{path} is not a directory")
+    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return model.to(device).eval()
+
+
+def _check_same_shapes(old: Any, new: Any) -> None:
+    old_shapes = {k: tuple(v.shape) for k, v in old.state_dict().items()}
+    new_shapes = {k: tuple(v.shape) for k, v in new.state_dict().items()}
+    if old_shapes != new_shapes:
+        diff = sorted(set(old_shapes.items()) ^ set(new_shapes.items()))[:3]
+        raise ValueError(
+            f"the new weights do not match the served model's architecture (e.g. {diff})"
+        )
