@@ -1,5 +1,8 @@
-"""Celery app and tasks (``celery -A workers worker -B``); Ray job entrypoints.
+"""The Ray side of Steep, free of Django: the run's Ray job (``ray_job``), its client of the
+web app's internal API (``job_api``), the cluster helpers the web app uses to submit and
+watch jobs (``ray_cluster``), and the Celery app object (``celery``: ``celery -A workers
+worker -B``), whose tasks live in the Django apps.
 
-Kept empty on purpose: Ray job modules live here too and must not load Django,
-so the Celery app is in ``workers.celery`` (Celery finds it from ``-A workers``).
+Kept empty on purpose: Ray job modules must not load Django or Celery, so the Celery app
+is in ``workers.celery`` (Celery finds it from ``-A workers``).
 """

@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import tempfile
@@ -143,14 +144,82 @@ def ensure_cluster(
     return RayCluster(dashboard_url=url, local=True)
 
 
-def stop_local_cluster(*, data_dir: Path) -> None:
-    configure_local_auth(data_dir)
-    subprocess.run(
-        [str(Path(sys.executable).with_name("ray")), "stop", "--force"],
-        capture_output=True,
-        timeout=60,
-    )
+def stop_local_cluster(*, data_dir: Path, grace_s: float = 2.0) -> list[int]:
+    """Stop the local head Steep started for ``data_dir``, and only it; returns the PIDs.
+
+    Its processes (GCS, raylet, dashboard, the jobs' drivers) are the ones whose command
+    line names its temp dir, which is ``data_dir``'s own (``_ray_temp_dir``), with all their
+    descendants (agents, workers). Each gets SIGTERM, then SIGKILL after ``grace_s`` (the GCS
+    and the raylet do not stop on SIGTERM alone; ``ray stop --force`` kills outright). Unlike ``ray stop --force``, any other Ray
+    work on the machine is left alone.
+    """
+    marker = str(_ray_temp_dir(data_dir))
+    # Their children too (the raylet's agents and workers, the dashboard's modules), taken
+    # before any is signalled: an orphan's parent is no longer its parent.
+    pids = _with_descendants([pid for pid in _pids_naming(marker) if pid != os.getpid()])
+    for pid in pids:
+        _signal(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in pids:
+        if _running(pid):
+            _signal(pid, signal.SIGKILL)
     (_ray_dir(data_dir) / "head.json").unlink(missing_ok=True)
+    return pids
+
+
+def _pids_naming(text: str) -> list[int]:
+    """PIDs of this user's processes whose command line contains ``text`` (from /proc)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if entry.stat().st_uid != os.getuid():
+                continue
+            arguments = (
+                (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            )
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        if text in arguments:
+            pids.append(int(entry.name))
+    return pids
+
+
+def _with_descendants(roots: list[int]) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], list(roots)
+    while todo:
+        pid = todo.pop()
+        if pid not in found:
+            found.append(pid)
+            todo += children.get(pid, [])
+    return found
+
+
+def _signal(pid: int, number: int) -> None:
+    try:
+        os.kill(pid, number)
+    except ProcessLookupError:
+        pass
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a child of ours that exited but was not reaped yet)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
 
 
 def submit_job(

@@ -106,6 +106,69 @@ def test_bad_reports_are_400_and_store_nothing(job, running):
     assert MetricPoint.objects.filter(run=running).count() == 0
 
 
+def error_message(response) -> str:
+    assert response.status_code == 400, response.content
+    return response.json()["error"]["message"]
+
+
+def test_a_checkpoint_without_a_path_is_400(job, running):
+    assert "'path'" in error_message(job("POST", "checkpoints", {"version": 1, "step": 1}))
+    assert "'path'" in error_message(
+        job("POST", "checkpoints", {"version": 1, "step": 1, "path": ""})
+    )
+    assert "'path'" in error_message(
+        job("POST", "checkpoints", {"version": 1, "step": 1, "path": ["/x"]})
+    )
+    assert not Checkpoint.objects.filter(run=running).exists()
+
+
+@pytest.mark.parametrize(
+    "change,field",
+    [
+        ({"reward": None}, "reward"),
+        ({"reward": "1.0"}, "reward"),
+        ({"reward": float("nan")}, "reward"),
+        ({"input_ids": "1 2 3"}, "input_ids"),
+        ({"output_ids": [4, "5"]}, "output_ids"),
+        ({"versions": [0, True]}, "versions"),
+        ({"logprobs": [-0.5, None]}, "logprobs"),
+        ({"logprobs": [-0.5]}, "one entry per generated token"),
+        ({"metadata": ["not", "a", "dict"]}, "metadata"),
+        ({"messages": "hi"}, "messages"),
+        ({"task_id": 7}, "task_id"),
+    ],
+)
+def test_a_malformed_episode_is_400_and_records_nothing(job, running, change, field):
+    bad = episode(1.0) | change
+    message = error_message(job("POST", "episodes", {"episodes": [episode(0.0), bad]}))
+    assert "episodes[1]" in message and field in message
+    assert not Session.objects.filter(run=running).exists()
+
+
+def test_an_episode_missing_a_required_key_is_400(job, running):
+    for key in ("input_ids", "output_ids", "logprobs", "versions", "reward"):
+        incomplete = {k: v for k, v in episode(1.0).items() if k != key}
+        assert key in error_message(job("POST", "episodes", {"episodes": [incomplete]}))
+    assert "episodes[0]" in error_message(job("POST", "episodes", {"episodes": ["nope"]}))
+    assert not Session.objects.filter(run=running).exists()
+
+
+def test_session_ids_that_are_not_ids_are_400(job, running):
+    for body in ({"version": 1, "trained": ["not-an-id"]}, {"version": 1, "dropped": [1]}):
+        assert "session ids" in error_message(job("POST", "trained", body))
+    assert "session ids" in error_message(job("POST", "release", {"sessions": "all"}))
+
+
+def test_reports_with_wrongly_typed_fields_are_400(job, running):
+    assert "'error'" in error_message(job("POST", "status", {"status": "failed", "error": 1}))
+    assert "'message'" in error_message(job("POST", "events", {"message": {"a": 1}}))
+    assert "'action'" in error_message(
+        job("POST", "servers", {"url": "http://127.0.0.1:1", "action": "remove"})
+    )
+    running.refresh_from_db()
+    assert running.status == "running" and not running.servers.exists()
+
+
 def test_episodes_are_recorded_like_gateway_sessions_and_claimed_once(job, running):
     created = job("POST", "episodes", {"episodes": [episode(1.0), episode(0.0)]})
     assert created.status_code == 201

@@ -65,3 +65,11 @@ async def test_it_validates_ownership_a_non_member_cannot_subscribe(project, oth
     run = await sync_to_async(make_run)(project)
     communicator, connected = await _connect(run, other_user)
     assert not connected
+
+
+async def test_a_run_id_that_is_not_a_uuid_is_refused(owner):
+    class NotARun:
+        id = "not-a-uuid"
+
+    communicator, connected = await _connect(NotARun, owner)
+    assert not connected

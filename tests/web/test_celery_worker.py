@@ -80,7 +80,7 @@ def wait_until(worker, done, timeout: float = 60) -> str:
 @pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_worker_picks_up_start_and_stop_requests(api, project, make_run, set_status, worker):
-    from workers.tasks import run_launch
+    from webapp.runs.tasks import run_launch
 
     assert not run_launch.app.conf.task_always_eager  # the worker, not this process, runs them
     started = make_run(project, name="started")

@@ -83,7 +83,7 @@ def eager_tasks(monkeypatch, settings):
     """
     import socket
 
-    from workers.tasks import run_launch
+    from webapp.runs.tasks import run_launch
 
     monkeypatch.setitem(run_launch.app.conf, "task_always_eager", True)
     with socket.socket() as sock:  # a port where nothing listens: never start a Ray head here

@@ -15,7 +15,14 @@ from webapp.accounts.models import APIKey, Membership, Project
 LAST_USED_RESOLUTION = timedelta(minutes=1)
 
 
+class ProjectNameTaken(Exception):
+    """Project names are unique across the installation."""
+
+
 def project_create(*, name: str, owner: AbstractBaseUser | None = None) -> Project:
+    """A new project, owned by ``owner``; ProjectNameTaken when another project has ``name``."""
+    if Project.objects.filter(name=name).exists():
+        raise ProjectNameTaken(name)
     with transaction.atomic():
         project = Project.objects.create(name=name)
         if owner is not None:

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from django.http import Http404
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers, status
 from rest_framework.response import Response
@@ -44,7 +45,7 @@ class AgentListApi(ProjectAPIView):
         if data.validated_data.get("run"):
             try:
                 run = run_get(project=self.project, run_id=data.validated_data["run"])
-            except Exception:
+            except Http404:
                 raise serializers.ValidationError(
                     {"run": ["Run not found in this project."]}
                 ) from None

@@ -22,7 +22,12 @@ from webapp.accounts.selectors import (
     project_get_for_user,
     project_list_for_user,
 )
-from webapp.accounts.services import api_key_create, api_key_revoke, project_create
+from webapp.accounts.services import (
+    ProjectNameTaken,
+    api_key_create,
+    api_key_revoke,
+    project_create,
+)
 from webapp.agents.selectors import agent_get, agent_list
 from webapp.agents.services import AgentInvalid, agent_create
 from webapp.agents.snippets import openai_snippet
@@ -40,11 +45,19 @@ from webapp.datasets.services import (
 from webapp.gateway.models import Session
 from webapp.gateway.selectors import (
     interaction_list,
+    session_count,
     session_get,
     session_interactions,
     session_list,
 )
-from webapp.runs.selectors import checkpoint_list, metric_list, metric_names, run_get, run_list
+from webapp.runs.selectors import (
+    checkpoint_list,
+    metric_latest,
+    metric_names,
+    run_event_list,
+    run_get,
+    run_list,
+)
 from webapp.runs.services import IllegalTransition, RunInvalid, run_create, run_start, run_stop
 
 
@@ -89,12 +102,11 @@ def home(request):
 def projects(request):
     form = ProjectForm(request.POST or None)
     if request.method == "POST" and form.is_valid():
-        from webapp.accounts.models import Project
-
-        if Project.objects.filter(name=form.cleaned_data["name"]).exists():
+        try:
+            project = project_create(name=form.cleaned_data["name"], owner=request.user)
+        except ProjectNameTaken:
             form.add_error("name", "A project with this name already exists.")
         else:
-            project = project_create(name=form.cleaned_data["name"], owner=request.user)
             return _redirect(request, "dashboard:runs", project_id=project.id)
     context = {"projects": project_list_for_user(user=request.user), "form": form}
     return _render(request, "dashboard/projects.html", "dashboard/_projects_panel.html", context)
@@ -254,14 +266,12 @@ def run_detail(request, project_id, run_id):
     project = _project(request, project_id)
     run = run_get(project=project, run_id=run_id)
     names = metric_names(run=run)
-    latest = {}
-    for point in metric_list(run=run).order_by("-step")[:200]:
-        latest.setdefault(point.name, point)
+    latest = metric_latest(run=run)
     context = {
         "project": project,
         "tab": "runs",
         "run": run,
-        "events": run.events.order_by("-created_at", "-id")[:30],
+        "events": run_event_list(run=run)[:30],
         "metric_names": names,
         "latest_metrics": [latest[n] for n in names if n in latest],
         "checkpoints": checkpoint_list(run=run)[:20],
@@ -333,9 +343,7 @@ def agent_detail(request, project_id, agent_id):
         "tab": "agents",
         "agent": agent,
         "snippet": openai_snippet(base_url=agent.base_url),
-        "open_count": session_list(
-            project=project, agent_id=agent.id, status=Session.Status.OPEN
-        ).count(),
+        "open_count": session_count(project=project, agent_id=agent.id, status=Session.Status.OPEN),
         "sessions": session_list(project=project, agent_id=agent.id, status=status or None)[:20],
         "status": status,
         "status_filters": SESSION_FILTERS,

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from django.http import Http404
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import serializers, status
 from rest_framework.response import Response
@@ -10,7 +11,13 @@ from webapp.api.fields import RAW_FIELDS
 from webapp.api.views import ProjectAPIView
 from webapp.datasets.selectors import dataset_get
 from webapp.runs.models import Run
-from webapp.runs.selectors import checkpoint_list, metric_list, run_get, run_list
+from webapp.runs.selectors import (
+    checkpoint_list,
+    metric_list,
+    run_event_list,
+    run_get,
+    run_list,
+)
 from webapp.runs.services import (
     IllegalTransition,
     RunInvalid,
@@ -81,7 +88,7 @@ class RunDetailOutput(RunOutput):
     events = serializers.SerializerMethodField()
 
     def get_events(self, run) -> list[dict]:
-        return RunEventOutput(run.events.order_by("-created_at", "-id")[:50], many=True).data
+        return RunEventOutput(run_event_list(run=run)[:50], many=True).data
 
 
 class RunListApi(ProjectAPIView):
@@ -113,7 +120,7 @@ class RunListApi(ProjectAPIView):
         if dataset_id:
             try:
                 dataset = dataset_get(project=self.project, dataset_id=dataset_id)
-            except Exception:
+            except Http404:
                 raise serializers.ValidationError(
                     {"dataset": ["Dataset not found in this project."]}
                 ) from None

@@ -6,8 +6,9 @@ from urllib.parse import parse_qs
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
+from django.core.exceptions import ValidationError
 
-from webapp.runs.events import run_group
+from webapp.runs.events import metrics_event, run_group, status_event
 
 
 class RunConsumer(AsyncJsonWebsocketConsumer):
@@ -33,14 +34,13 @@ class RunConsumer(AsyncJsonWebsocketConsumer):
         from webapp.accounts.models import Membership
         from webapp.runs.models import Run
         from webapp.runs.selectors import metric_list
-        from webapp.runs.serializers import metrics_event, status_event
 
         user = self.scope.get("user")
         if user is None or not user.is_authenticated:
             return None
         try:
             run = Run.objects.get(pk=self.run_id)
-        except (Run.DoesNotExist, ValueError, Exception):
+        except (Run.DoesNotExist, ValidationError):  # unknown, or not a UUID
             return None
         if not Membership.objects.filter(project_id=run.project_id, user=user).exists():
             return None

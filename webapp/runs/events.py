@@ -1,4 +1,7 @@
-"""Live run events over websockets. The one place that publishes; consumers only forward."""
+"""Live run events over websockets: their dict shapes and the one place that publishes them.
+
+The same shapes go to the websocket (consumers only forward) and into the snapshot a
+consumer sends on connect."""
 
 from __future__ import annotations
 
@@ -8,6 +11,25 @@ from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 
 logger = logging.getLogger(__name__)
+
+
+def status_event(run) -> dict:
+    return {
+        "type": "status",
+        "run_id": str(run.id),
+        "status": run.status,
+        "step": run.step,
+        "weight_version": run.weight_version,
+        "error": run.error,
+    }
+
+
+def metrics_event(run, points) -> dict:
+    return {
+        "type": "metrics",
+        "run_id": str(run.id),
+        "points": [{"step": p.step, "name": p.name, "value": p.value} for p in points],
+    }
 
 
 def run_group(run_id) -> str:

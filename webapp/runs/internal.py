@@ -2,13 +2,16 @@
 
 Authenticated with the run's per-attempt job secret (``Authorization: Bearer
 steep-job-...``); project keys are never accepted here. Views parse, call one
-service from ``webapp.runs.jobs``, and answer JSON.
+service from ``webapp.runs.jobs``, and answer JSON. Each view checks its input and
+answers 400 with what is wrong; past that, an error is a bug and answers 500.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import json
+import math
+import uuid
 from collections.abc import Callable
 from functools import lru_cache
 
@@ -49,11 +52,74 @@ def _int(data: dict, name: str, default: int | None = None) -> int:
     return value
 
 
-def _str_list(data: dict, name: str) -> list[str]:
-    value = data.get(name, [])
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise BadRequest(f"'{name}' must be a list of strings")
+def _str(data: dict, name: str, default: str = "") -> str:
+    value = data.get(name, default)
+    if not isinstance(value, str):
+        raise BadRequest(f"'{name}' must be a string")
     return value
+
+
+def _session_ids(data: dict, name: str) -> list[str]:
+    value = data.get(name, [])
+    if not isinstance(value, list) or not all(_is_uuid(v) for v in value):
+        raise BadRequest(f"'{name}' must be a list of session ids")
+    return value
+
+
+def _is_uuid(value) -> bool:
+    if not isinstance(value, str):
+        return False
+    try:
+        uuid.UUID(value)
+    except ValueError:
+        return False
+    return True
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _is_int_list(value) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    )
+
+
+EPISODE_OPTIONAL = {
+    "finish_reason": str,
+    "text": str,
+    "task_id": str,
+    "group_id": str,
+    "messages": list,
+    "metadata": dict,
+    "sampling": dict,
+}
+
+
+def _episode(index: int, episode) -> dict:
+    """An episode as ``rl_core.rollout.Episode.to_dict`` writes it, or BadRequest saying what is wrong."""
+    where = f"episodes[{index}]"
+    if not isinstance(episode, dict):
+        raise BadRequest(f"'{where}' must be an object")
+    for name in ("input_ids", "output_ids", "versions"):
+        if not _is_int_list(episode.get(name)):
+            raise BadRequest(f"'{where}.{name}' must be a list of integers")
+    logprobs = episode.get("logprobs")
+    if not isinstance(logprobs, list) or not all(_is_number(v) for v in logprobs):
+        raise BadRequest(f"'{where}.logprobs' must be a list of numbers")
+    if not len(episode["output_ids"]) == len(logprobs) == len(episode["versions"]):
+        raise BadRequest(
+            f"'{where}': output_ids, logprobs and versions need one entry per generated token"
+        )
+    if not _is_number(episode.get("reward")) or not math.isfinite(episode["reward"]):
+        raise BadRequest(f"'{where}.reward' must be a finite number")
+    if "latency_ms" in episode and not _is_number(episode["latency_ms"]):
+        raise BadRequest(f"'{where}.latency_ms' must be a number")
+    for name, kind in EPISODE_OPTIONAL.items():
+        if episode.get(name) is not None and not isinstance(episode[name], kind):
+            raise BadRequest(f"'{where}.{name}' must be a {kind.__name__}")
+    return episode
 
 
 @lru_cache(maxsize=8)
@@ -92,8 +158,6 @@ def internal(method: str):
                 return _error(400, str(exc))
             except IllegalTransition as exc:
                 return _error(409, str(exc))
-            except (KeyError, TypeError, ValueError) as exc:
-                return _error(400, f"malformed report: {exc!r}")
 
         return handler
 
@@ -141,9 +205,10 @@ def status(request, run: Run):
         Run.Status.STOPPED,
     }:
         raise BadRequest("'status' must be running, completed, failed or stopped")
-    run = jobs.job_report_status(
-        run=run, status=target, message=str(data.get("message", "")), error=data.get("error")
-    )
+    error = data.get("error")
+    if error is not None and not isinstance(error, str):
+        raise BadRequest("'error' must be a string or null")
+    run = jobs.job_report_status(run=run, status=target, message=_str(data, "message"), error=error)
     return JsonResponse({"status": run.status})
 
 
@@ -153,10 +218,13 @@ def servers(request, run: Run):
     url = data.get("url")
     if not isinstance(url, str) or not url.startswith("http"):
         raise BadRequest("'url' must be an http(s) URL")
-    if data.get("action", "register") == "unregister":
+    action = data.get("action", "register")
+    if action not in ("register", "unregister"):
+        raise BadRequest("'action' must be register or unregister")
+    if action == "unregister":
         jobs.job_unregister_server(run=run, url=url)
     else:
-        jobs.job_register_server(run=run, url=url, backend=str(data.get("backend", "torch")))
+        jobs.job_register_server(run=run, url=url, backend=_str(data, "backend", "torch"))
     return JsonResponse({"ok": True})
 
 
@@ -184,11 +252,14 @@ def version(request, run: Run):
 @internal("POST")
 def checkpoints(request, run: Run):
     data = _body(request)
+    path = data.get("path")
+    if not isinstance(path, str) or not path:
+        raise BadRequest("'path' must be the checkpoint's directory, a non-empty string")
     checkpoint = jobs.job_report_checkpoint(
         run=run,
         version=_int(data, "version"),
         step=_int(data, "step"),
-        path=str(data["path"]),
+        path=path,
         size_bytes=_int(data, "size_bytes", 0),
     )
     return JsonResponse({"version": checkpoint.version})
@@ -208,8 +279,8 @@ def trained(request, run: Run):
     jobs.job_mark_trained(
         run=run,
         version=_int(data, "version"),
-        trained=_str_list(data, "trained"),
-        dropped=_str_list(data, "dropped"),
+        trained=_session_ids(data, "trained"),
+        dropped=_session_ids(data, "dropped"),
     )
     return JsonResponse({"ok": True})
 
@@ -217,7 +288,7 @@ def trained(request, run: Run):
 @internal("POST")
 def release(request, run: Run):
     data = _body(request)
-    ids = _str_list(data, "sessions") if "sessions" in data else None
+    ids = _session_ids(data, "sessions") if "sessions" in data else None
     return JsonResponse({"released": jobs.job_release(run=run, session_ids=ids)})
 
 
@@ -227,11 +298,14 @@ def episodes(request, run: Run):
     items = data.get("episodes")
     if not isinstance(items, list):
         raise BadRequest("'episodes' must be a list")
-    return JsonResponse({"sessions": jobs.job_submit_episodes(run=run, episodes=items)}, status=201)
+    episodes = [_episode(index, item) for index, item in enumerate(items)]
+    return JsonResponse(
+        {"sessions": jobs.job_submit_episodes(run=run, episodes=episodes)}, status=201
+    )
 
 
 @internal("POST")
 def events(request, run: Run):
     data = _body(request)
-    jobs.job_event(run=run, kind=str(data.get("kind", "job")), message=str(data.get("message", "")))
+    jobs.job_event(run=run, kind=_str(data, "kind", "job"), message=_str(data, "message"))
     return JsonResponse({"ok": True})

@@ -10,17 +10,19 @@ from django.db import connection, transaction
 from django.utils import timezone
 
 from webapp.accounts.keys import generate_key, hash_key
-from webapp.gateway import admission
-from webapp.gateway.models import Interaction, Session
-from webapp.gateway.selectors import session_trajectories, trajectories_claim
-from webapp.gateway.services import inference_server_register, inference_server_unregister
-from webapp.runs.events import publish_run_event
+from webapp.gateway import lifecycle
+from webapp.gateway.models import Interaction
+from webapp.gateway.selectors import session_trajectories
+from webapp.gateway.services import (
+    inference_server_register,
+    inference_server_unregister,
+    trajectories_claim,
+)
+from webapp.runs.events import metrics_event, publish_run_event, status_event
 from webapp.runs.models import Checkpoint, MetricPoint, Run, RunEvent
-from webapp.runs.serializers import metrics_event, status_event
 from webapp.runs.services import IllegalTransition, run_transition
 
 S = Run.Status
-T = Session.Trajectory
 JOB_SECRET_PREFIX = "steep-job-"
 
 
@@ -135,23 +137,16 @@ def job_claim_trajectories(*, run: Run, limit: int) -> list[dict]:
 
 
 def job_mark_trained(*, run: Run, version: int, trained: list[str], dropped: list[str]) -> None:
-    Session.objects.filter(run=run, pk__in=trained, trajectory=T.CLAIMED).update(
-        trajectory=T.TRAINED, trained_version=version
-    )
-    with transaction.atomic():
-        dropped_count = Session.objects.filter(
-            run=run, pk__in=dropped, trajectory=T.CLAIMED
-        ).update(trajectory=T.DROPPED, trained_version=version)
-        with connection.cursor() as cursor:  # a dropped trajectory gives its slot back
-            admission.count(cursor, run.pk, accepted=-dropped_count)
+    with transaction.atomic(), connection.cursor() as cursor:
+        lifecycle.finish_training(
+            cursor, run_id=run.pk, version=version, trained=trained, dropped=dropped
+        )
 
 
 def job_release(*, run: Run, session_ids: list[str] | None = None) -> int:
     """Claimed but untrained sessions go back to ready (all of them when no ids: a restarted job)."""
-    claimed = Session.objects.filter(run=run, trajectory=T.CLAIMED)
-    if session_ids is not None:
-        claimed = claimed.filter(pk__in=session_ids)
-    return claimed.update(trajectory=T.READY, claimed_at=None)
+    with transaction.atomic(), connection.cursor() as cursor:
+        return lifecycle.release(cursor, run_id=run.pk, session_ids=session_ids)
 
 
 def job_submit_episodes(*, run: Run, episodes: list[dict]) -> list[str]:
@@ -161,46 +156,52 @@ def job_submit_episodes(*, run: Run, episodes: list[dict]) -> list[str]:
     ``finish_reason``, ``messages``, ``text``, optional ``group_id``, ``task_id``, ``metadata``.
     """
     now = timezone.now()
-    ids = []
-    with transaction.atomic():
-        for episode in episodes:
-            session = Session.objects.create(
-                project_id=run.project_id,
-                run=run,
-                one_turn=True,
-                task_id=str(episode.get("task_id", ""))[:200],
-                metadata={
+    sessions, interactions = [], []
+    for episode in episodes:
+        session_id = uuid.uuid4()
+        sessions.append(
+            {
+                "id": session_id,
+                "project": run.project_id,
+                "agent": None,
+                "run": run.pk,
+                "key_hash": None,
+                "one_turn": True,
+                "task_id": str(episode.get("task_id", ""))[:200],
+                "metadata": {
                     "group_id": episode.get("group_id", ""),
                     **(episode.get("metadata") or {}),
                 },
-                status=Session.Status.ENDED,
-                trajectory=T.READY,
-                admitted_version=min(episode["versions"], default=0),
-                interaction_count=1,
-                ended_at=now,
-                last_activity_at=now,
-            )
-            output = {
-                "output_ids": episode["output_ids"],
-                "logprobs": episode["logprobs"],
-                "versions": episode["versions"],
-                "finish_reason": episode.get("finish_reason", "stop"),
-                "text": episode.get("text", ""),
+                "admitted_version": min(episode["versions"], default=0),
+                "interaction_count": 1,
+                "server_url": "",
+                "created_at": now,
+                "last_activity_at": now,
+                "ended_at": now,
             }
-            response = {
-                "id": f"rollout-{session.id.hex}",
-                "object": "chat.completion",
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": episode.get("text", "")},
-                        "finish_reason": output["finish_reason"],
-                    }
-                ],
-            }
-            Interaction.objects.create(
+        )
+        output = {
+            "output_ids": episode["output_ids"],
+            "logprobs": episode["logprobs"],
+            "versions": episode["versions"],
+            "finish_reason": episode.get("finish_reason", "stop"),
+            "text": episode.get("text", ""),
+        }
+        response = {
+            "id": f"rollout-{session_id.hex}",
+            "object": "chat.completion",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": episode.get("text", "")},
+                    "finish_reason": output["finish_reason"],
+                }
+            ],
+        }
+        interactions.append(
+            Interaction(
                 id=response["id"],
-                session=session,
+                session_id=session_id,
                 turn=0,
                 request_hash="",
                 messages=episode.get("messages") or [],
@@ -211,11 +212,14 @@ def job_submit_episodes(*, run: Run, episodes: list[dict]) -> list[str]:
                 reward=float(episode["reward"]),
                 rewarded_at=now,
                 latency_ms=float(episode.get("latency_ms", 0.0)),
+                created_at=now,
             )
-            ids.append(str(session.id))
+        )
+    with transaction.atomic():
         with connection.cursor() as cursor:
-            admission.count(cursor, run.pk, accepted=len(ids))
-    return ids
+            lifecycle.insert_finished(cursor, run_id=run.pk, rows=sessions)
+        Interaction.objects.bulk_create(interactions)
+    return [str(row["id"]) for row in sessions]
 
 
 def job_event(*, run: Run, kind: str, message: str) -> None:

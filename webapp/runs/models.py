@@ -39,8 +39,9 @@ class Run(models.Model):
     weight_version = models.PositiveIntegerField(default=0)
     # The gateway's staleness admission reads these instead of counting sessions: open
     # sessions (rollouts running) and trajectories accepted for training (ready, claimed or
-    # trained; dropped ones give their slot back). Kept in step by the gateway's services
-    # and recomputed from the sessions by the reconciler (webapp.gateway.services).
+    # trained; dropped ones give their slot back). Moved with every session move by
+    # webapp.gateway.lifecycle; recomputed from the sessions by the periodic
+    # sessions.expire_idle task (webapp.gateway.admission.refresh), for deleted sessions.
     sessions_open = models.IntegerField(default=0)
     sessions_accepted = models.IntegerField(default=0)
     error = models.TextField(blank=True)

@@ -5,7 +5,7 @@ from django.http import Http404
 
 from webapp.accounts.models import Project
 from webapp.accounts.selectors import parse_uuid
-from webapp.runs.models import Checkpoint, MetricPoint, Run
+from webapp.runs.models import Checkpoint, MetricPoint, Run, RunEvent
 
 
 def run_list(*, project: Project, status: str | None = None) -> QuerySet[Run]:
@@ -35,6 +35,14 @@ def metric_list(
     return points.order_by("step", "name")
 
 
+def metric_latest(*, run: Run, window: int = 200) -> dict[str, MetricPoint]:
+    """The newest point of each metric among the run's last ``window`` points."""
+    latest: dict[str, MetricPoint] = {}
+    for point in MetricPoint.objects.filter(run=run).order_by("-step")[:window]:
+        latest.setdefault(point.name, point)
+    return latest
+
+
 def metric_names(*, run: Run) -> list[str]:
     return list(
         MetricPoint.objects.filter(run=run)
@@ -46,3 +54,8 @@ def metric_names(*, run: Run) -> list[str]:
 
 def checkpoint_list(*, run: Run) -> QuerySet[Checkpoint]:
     return Checkpoint.objects.filter(run=run).order_by("-version")
+
+
+def run_event_list(*, run: Run) -> QuerySet[RunEvent]:
+    """The run's events, newest first."""
+    return RunEvent.objects.filter(run=run).order_by("-created_at", "-id")

@@ -8,9 +8,8 @@ from django.utils import timezone
 from rl_core.config import RunConfig
 from webapp.accounts.models import Project
 from webapp.datasets.models import Dataset
-from webapp.runs.events import publish_run_event
+from webapp.runs.events import publish_run_event, status_event
 from webapp.runs.models import Run, RunEvent
-from webapp.runs.serializers import status_event
 
 S = Run.Status
 
@@ -98,17 +97,22 @@ def run_transition(*, run: Run, to: str, message: str = "", error: str | None = 
 
 
 def run_start(*, run: Run) -> Run:
-    """Queue the run and hand it to a worker, once the transaction has committed."""
-    from workers.tasks import run_launch
+    return run_queue(run=run, message="Start requested.")
 
-    run = run_transition(run=run, to=S.QUEUED, message="Start requested.")
+
+def run_queue(*, run: Run, message: str) -> Run:
+    """Queue the run and hand it to a worker's launch task, once the transaction has committed."""
+    from webapp.runs.tasks import run_launch  # the tasks call the services, so not at import time
+
+    run = run_transition(run=run, to=S.QUEUED, message=message)
     run_id = str(run.id)
     transaction.on_commit(lambda: run_launch.delay(run_id))
     return run
 
 
 def run_stop(*, run: Run) -> Run:
-    from workers.tasks import run_shutdown
+    """Ask the job to stop; a worker's shutdown task stops it by force if it does not in time."""
+    from webapp.runs.tasks import run_shutdown
 
     run = run_transition(run=run, to=S.STOPPING, message="Stop requested.")
     run_id = str(run.id)

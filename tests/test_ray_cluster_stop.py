@@ -1,0 +1,63 @@
+"""Stopping the local Ray head stops what Steep started for this DATA_DIR, and nothing else
+(no ``ray stop --force``, which ends every Ray process of the user on the machine)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from workers.ray_cluster import _ray_temp_dir, _running, stop_local_cluster
+
+# A process that starts a child (as the raylet starts its agents) and then waits; its
+# command line names a directory, as a Ray head's processes name their temp dir.
+PARENT = (
+    "import subprocess, sys, time;"
+    "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']);"
+    "time.sleep(120)"
+)
+
+
+def children_of(pid: int) -> list[int]:
+    return [
+        int(entry.name)
+        for entry in Path("/proc").iterdir()
+        if entry.name.isdigit() and (entry / "stat").exists() and _parent(entry) == pid
+    ]
+
+
+def _parent(entry: Path) -> int | None:
+    try:
+        return int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def test_it_stops_the_heads_processes_and_their_children_and_no_other(tmp_path):
+    ours = tmp_path / "ours"
+    theirs = tmp_path / "theirs"
+    head = subprocess.Popen([sys.executable, "-c", PARENT, f"--temp-dir={_ray_temp_dir(ours)}"])
+    other = subprocess.Popen([sys.executable, "-c", PARENT, f"--temp-dir={_ray_temp_dir(theirs)}"])
+    try:
+        deadline = time.monotonic() + 30
+        while not (children_of(head.pid) and children_of(other.pid)):
+            assert time.monotonic() < deadline, "the stand-in processes did not start"
+            time.sleep(0.05)
+        [agent] = children_of(head.pid)
+        (ours / "ray").mkdir(parents=True)
+        (ours / "ray" / "head.json").write_text("{}")
+
+        stopped = stop_local_cluster(data_dir=ours, grace_s=5)
+
+        assert set(stopped) == {head.pid, agent}
+        head.wait(timeout=10)
+        assert not _running(agent)
+        assert other.poll() is None and all(_running(pid) for pid in children_of(other.pid))
+        assert not (ours / "ray" / "head.json").exists()
+    finally:
+        for process in (head, other):
+            for pid in children_of(process.pid):
+                subprocess.run(["kill", "-9", str(pid)], check=False)
+            process.kill()
+            process.wait(timeout=10)

@@ -1,0 +1,24 @@
+"""The runs app's Celery tasks (``celery -A workers worker -B`` finds them): each takes ids
+and calls one service in ``webapp.runs.launching``. The names are what the beat schedule
+(``CELERY_BEAT_SCHEDULE``) and the queue refer to; keep them."""
+
+from __future__ import annotations
+
+from celery import shared_task
+
+from webapp.runs import launching
+
+
+@shared_task(name="runs.launch")
+def run_launch(run_id: str) -> str:
+    return launching.run_launch(run_id=run_id)
+
+
+@shared_task(name="runs.shutdown")
+def run_shutdown(run_id: str, grace_s: float = 120.0) -> str:
+    return launching.run_shutdown(run_id=run_id, grace_s=grace_s)
+
+
+@shared_task(name="runs.reconcile")
+def runs_reconcile() -> dict:
+    return launching.runs_reconcile()
