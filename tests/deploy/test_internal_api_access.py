@@ -51,11 +51,20 @@ def test_a_previous_attempts_secret_is_refused(client, running, method, name, bo
     assert call(client, running, "GET", "config", None, current).status_code == 200
 
 
-def test_a_session_key_is_refused(client, running, project, make_agent):
-    from webapp.gateway.services import session_open
+def test_a_session_key_is_refused(client, running, project, make_agent, api_key):
+    from webapp.accounts.keys import SESSION_KEY_PREFIX, generate_key
+    from webapp.gateway.episodes import start
+    from webapp.gateway.lane import in_transaction
 
     agent = make_agent(project, run=running)
-    _, session_key = session_open(agent=agent, run=running)
+    operation = start(
+        token=api_key,
+        agent_id=agent.pk,
+        task_id="",
+        metadata={},
+        new_key=generate_key(SESSION_KEY_PREFIX),
+    )
+    session_key = in_transaction(operation)["api_key"]
     job_secret_issue(run=running)
     assert_refused(call(client, running, "GET", "config", None, session_key))
 

@@ -104,19 +104,10 @@ def test_rest_api_limit_zero_costs_nothing(client, api_key, settings, monkeypatc
 
 
 @pytest.fixture
-def in_test_thread(monkeypatch):
-    """The gateway's ORM calls in the test's own thread (they normally go to a thread pool),
-    so they see the test's transaction and leave no connection behind."""
-    from asgiref.sync import sync_to_async
-
-    from webapp.gateway import views
-
-    monkeypatch.setattr(views, "_dbcall", lambda fn: sync_to_async(fn, thread_sensitive=True))
-
-
-@pytest.fixture
-def stopped_agent(in_test_thread, project, make_run, make_agent):
-    """An agent whose run is a draft: past authentication every call is a 503."""
+def stopped_agent(project, make_run, make_agent):
+    """An agent whose run is a draft: past authentication every call is a 503. (Django's
+    gateway views run their database work in the request's thread, on the test's
+    transaction: ``lane.in_thread``.)"""
     return make_agent(project, run=make_run(project))
 
 

@@ -18,12 +18,6 @@ and agents wired to them. Tests talk to the gateway over real HTTP with the offi
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,8 +26,9 @@ from typing import Any
 import httpx
 import pytest
 
-from rl_core.inference.launch import TorchEngineServer, free_port
+from rl_core.inference.launch import TorchEngineServer
 from tests.conftest import test_database_url
+from tests.livestack import LiveStack, answers, free_port, steep_env
 
 # The server's own settings: a short idle timeout (only the expiry test relies on it), a
 # small body limit (so an oversize body is cheap to send) and a recognisable Retry-After.
@@ -97,68 +92,19 @@ def gateway_url(django_db_setup, tmp_path_factory: pytest.TempPathFactory) -> It
     """Base URL of a uvicorn subprocess serving the web app on the test database."""
     from django.conf import settings
 
-    env = dict(os.environ)
-    env.pop("DATABASE_URL_FILE", None)
-    env |= {
-        "DJANGO_SETTINGS_MODULE": "webapp.settings",
-        "DATA_DIR": str(settings.DATA_DIR),
-        "DATABASE_URL": test_database_url(),
-        "PYTHONUNBUFFERED": "1",
+    env = steep_env(
+        data_dir=settings.DATA_DIR,
+        database_url=test_database_url(),
+        redis_url=settings.REDIS_URL,
         **SERVER_ENV,
-    }
-    if settings.REDIS_URL:
-        env["REDIS_URL"] = settings.REDIS_URL
-    port = free_port()
-    log_path = tmp_path_factory.mktemp("gateway") / "uvicorn.log"
-    log = open(log_path, "ab")  # noqa: SIM115 (closed below)
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "uvicorn",
-            "webapp.asgi:application",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--lifespan",
-            "off",
-            "--log-level",
-            "warning",
-        ],  # fmt: skip
-        cwd=settings.BASE_DIR,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
     )
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_for_server(process, url, log_path)
-        yield url
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=5)
-        log.close()
-
-
-def _wait_for_server(process: subprocess.Popen, url: str, log_path: Path) -> None:
     probe = f"{url}/agents/00000000-0000-0000-0000-000000000000/v1/models"
-    deadline = time.monotonic() + 60
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"uvicorn exited ({process.returncode}):\n{log_path.read_text()}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(probe, timeout=5).status_code == 401:
-                return
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"uvicorn not up after 60 s:\n{log_path.read_text()}")
-        time.sleep(0.1)
+    with LiveStack(env=env, log_dir=tmp_path_factory.mktemp("gateway")) as processes:
+        web = processes.start_web(port, name="uvicorn")
+        processes.wait_ready(web, lambda: answers(probe, 401), what="uvicorn")
+        yield url
 
 
 # --------------------------------------------------------------------------- agents

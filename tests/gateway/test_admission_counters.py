@@ -12,9 +12,9 @@ from django.utils import timezone
 
 from webapp.gateway import admission
 from webapp.gateway.models import Session
+from webapp.gateway.tasks import sessions_expire_idle
 from webapp.runs.jobs import job_mark_trained, job_submit_episodes
 from webapp.runs.models import Run
-from workers.tasks import sessions_expire_idle
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -188,26 +188,41 @@ class FakeDjango:
         await send({"type": "http.response.body", "body": b""})
 
 
-def test_the_asgi_application_sends_only_the_chat_path_to_the_fast_route(monkeypatch):
+def test_the_asgi_application_sends_only_an_agents_calls_to_the_fast_route(monkeypatch):
     from webapp.asgi import application
+    from webapp.gateway.completions import Reply
 
-    chats: list[str] = []
+    served: list[tuple[str, str]] = []
 
-    async def chat(scope, receive, send, agent_id, headers) -> None:
-        chats.append(agent_id)
-        await send({"type": "http.response.start", "status": 299, "headers": []})
-        await send({"type": "http.response.body", "body": b""})
+    def recording(name):
+        async def endpoint(agent_id, headers, body) -> Reply:
+            served.append((name, agent_id))
+            return Reply(299)
 
-    monkeypatch.setattr(fast, "_chat", chat)
+        return endpoint
 
-    assert Exchange("/agents/a1/v1/chat/completions").run(application).status == 299
-    assert chats == ["a1"]
+    for name in list(fast.ENDPOINTS):
+        monkeypatch.setitem(fast.ENDPOINTS, name, recording(name))
+
+    for name in ["chat/completions", "rl/start_session", "rl/set_reward", "rl/end_session"]:
+        assert Exchange(f"/agents/a1/v1/{name}").run(application).status == 299
+    assert served == [
+        ("chat/completions", "a1"),
+        ("rl/start_session", "a1"),
+        ("rl/set_reward", "a1"),
+        ("rl/end_session", "a1"),
+    ]
     health = Exchange("/healthz", method="GET").run(application)
     assert (health.status, health.json()) == (200, {"status": "ok"})
     # Near misses are Django's too (it answers 404 or redirects; the fast route is not asked).
-    for path in ["/agents/a1/v1/chat/completions/", "/agents/a1/v1/chat/completion"]:
-        assert Exchange(path).run(application).status in (301, 404)
-    assert chats == ["a1"]
+    for path in [
+        "/agents/a1/v1/chat/completions/",
+        "/agents/a1/v1/chat/completion",
+        "/agents/a1/v1/rl/start_session/",
+        "/agents/a1/v1/models",
+    ]:
+        assert Exchange(path).run(application).status in (301, 401, 404, 405)
+    assert len(served) == 4
 
 
 def test_a_get_is_405_in_openais_shape():

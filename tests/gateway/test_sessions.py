@@ -11,7 +11,7 @@ from openai import APIStatusError, ConflictError
 from webapp.accounts.keys import SESSION_KEY_PREFIX, hash_key
 from webapp.gateway.models import Interaction, Session
 from webapp.gateway.selectors import session_trajectories
-from workers.tasks import sessions_expire_idle
+from webapp.gateway.tasks import sessions_expire_idle
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

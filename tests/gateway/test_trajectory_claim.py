@@ -11,7 +11,7 @@ from django.db import connection
 from django.utils import timezone
 
 from webapp.gateway.models import Session
-from webapp.gateway.selectors import trajectories_claim
+from webapp.gateway.services import trajectories_claim
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -42,7 +42,7 @@ def _sessions(
 def test_two_concurrent_claimers_never_get_the_same_session(run_and_agent):
     run, agent = run_and_agent
     ready = {s.pk for s in _sessions(run, agent, 60)}
-    barrier = threading.Barrier(2)
+    barrier, first_batches = threading.Barrier(2), threading.Barrier(2)
     claimed: list[list] = [[], []]
     errors: list[BaseException] = []
 
@@ -50,6 +50,10 @@ def test_two_concurrent_claimers_never_get_the_same_session(run_and_agent):
         try:
             barrier.wait(timeout=10)
             while batch := trajectories_claim(run=run, limit=3):
+                if not claimed[index]:
+                    # Both take part whatever the scheduler does: each waits for the other's
+                    # first batch before claiming more.
+                    first_batches.wait(timeout=10)
                 claimed[index] += [s.pk for s in batch]
                 time.sleep(0.01)  # let the other claimer in between batches
         except BaseException as exc:  # surfaced below

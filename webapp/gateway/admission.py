@@ -9,11 +9,12 @@ increments ``sessions_open`` only while::
 
 (and ``sessions_open < max_concurrent_rollouts`` when that is set), so two web processes
 can never both take the last slot, and admission costs the same however many sessions
-the run has. Every change of a session's state moves the counters by the same amount
-(``count``); ``refresh`` recomputes them from the sessions, which the reconciler runs
-periodically so that sessions deleted with their agent give their slots back. (A
-one-turn completion holds its slot from admission but writes its session row only with
-its answer, so a refresh during that request under-counts it by one until the next.)
+the run has. Every other change of the counters is a session changing state, made by
+``webapp.gateway.lifecycle``; ``refresh`` recomputes them from the sessions, which the
+reconciler runs periodically so that sessions deleted with their agent give their slots
+back. (A one-turn completion holds its slot from admission but writes its session row
+only with its answer, so a refresh during that request under-counts it by one until the
+next.)
 
 The functions take a DB-API cursor (Django's, on either backend) so that the ORM
 services and the gateway's write lane share them.
@@ -23,11 +24,13 @@ from __future__ import annotations
 
 from django.db import connection
 
+from rl_core.staleness import StalenessBudget
+from webapp.gateway import sql
 from webapp.runs.models import Run
 
 ACCEPTED = ("ready", "claimed", "trained")  # Session.Trajectory values that hold a slot
 
-_RUN = Run._meta.db_table
+RUN_TABLE = Run._meta.db_table
 
 
 def run_pk(cursor, run_id):
@@ -37,38 +40,21 @@ def run_pk(cursor, run_id):
 
 def budget(config: dict) -> tuple[int, int, int]:
     """``(max_staleness, batch_size, max_concurrent_rollouts)`` of a run config, with RunConfig's defaults."""
-    return (
-        int(config.get("max_staleness", 4)),
-        int(config.get("batch_size", 8)),
-        int(config.get("max_concurrent_rollouts") or 0),
-    )
+    return StalenessBudget.from_config(config)
 
 
 def admit(cursor, *, run_id, config: dict) -> bool:
     """Open one rollout slot on a running run if its staleness budget allows; True when admitted."""
     max_staleness, batch_size, max_concurrent = budget(config)
-    # RETURNING where the database has it: a pipelined cursor (the lane on PostgreSQL)
-    # knows an UPDATE's row count only once its result has been read.
-    returning = cursor.db.features.can_return_columns_from_insert
-    cursor.execute(
-        f"UPDATE {_RUN} SET sessions_open = sessions_open + 1"
+    admitted = sql.changed_rows(
+        cursor,
+        f"UPDATE {RUN_TABLE} SET sessions_open = sessions_open + 1"
         " WHERE id = %s AND status = 'running'"
         " AND sessions_open + sessions_accepted < (%s + weight_version + 1) * %s"
-        " AND (%s = 0 OR sessions_open < %s)" + (" RETURNING id" if returning else ""),
+        " AND (%s = 0 OR sessions_open < %s)",
         [run_pk(cursor, run_id), max_staleness, batch_size, max_concurrent, max_concurrent],
     )
-    return cursor.fetchone() is not None if returning else cursor.rowcount == 1
-
-
-def count(cursor, run_id, *, opened: int = 0, accepted: int = 0) -> None:
-    """Move a run's counters after sessions changed state (negative to give slots back)."""
-    if run_id is None or not (opened or accepted):
-        return
-    cursor.execute(
-        f"UPDATE {_RUN} SET sessions_open = sessions_open + %s,"
-        " sessions_accepted = sessions_accepted + %s WHERE id = %s",
-        [opened, accepted, run_pk(cursor, run_id)],
-    )
+    return admitted == 1
 
 
 def refresh(cursor, run_id) -> None:
@@ -79,7 +65,7 @@ def refresh(cursor, run_id) -> None:
     marks = ", ".join(["%s"] * len(ACCEPTED))
     pk = run_pk(cursor, run_id)
     cursor.execute(
-        f"UPDATE {_RUN} SET"
+        f"UPDATE {RUN_TABLE} SET"
         f" sessions_open = (SELECT COUNT(*) FROM {sessions} WHERE run_id = %s AND status = 'open'),"
         f" sessions_accepted = (SELECT COUNT(*) FROM {sessions} WHERE run_id = %s AND trajectory IN ({marks}))"
         " WHERE id = %s",

@@ -1,11 +1,13 @@
-"""The gateway's ASGI fast route: chat completions answered without Django's request stack.
+"""The gateway's ASGI fast route: an agent's calls answered without Django's request stack.
 
-Agents call ``POST /agents/{agent_id}/v1/chat/completions`` far more often than anything
-else, and Django's request/response cycle and middleware cost more CPU than the
-completion's own work (docs/benchmarks.md). ``fast_route(django_app)`` wraps the Django
-application: that one path goes straight to ``completions.chat_completion``; every other
-request, and any that needs Django's handling (a host not in ``ALLOWED_HOSTS``, plain
-HTTP when ``SECURE_SSL_REDIRECT`` is on), goes to Django unchanged.
+Agents call ``POST /agents/{agent_id}/v1/chat/completions`` and the RL protocol's
+``/rl/start_session``, ``/rl/set_reward`` and ``/rl/end_session`` far more often than
+anything else, and Django's request/response cycle and middleware cost more CPU than
+their own work (docs/benchmarks.md). ``fast_route(django_app)`` wraps the Django
+application: those paths go straight to ``completions.chat_completion`` and
+``webapp.gateway.rl``; every other request, and any that needs Django's handling (a host
+not in ``ALLOWED_HOSTS``, plain HTTP when ``SECURE_SSL_REDIRECT`` is on), goes to Django
+unchanged. Django's views call the same functions, so both routes give the same answers.
 
 What the middleware did for these requests is done here too: the request id
 (``X-Request-ID``, the request's log line), the body limit (413 in OpenAI's shape, by
@@ -21,15 +23,42 @@ from django.conf import settings
 from django.http.request import split_domain_port, validate_host
 
 from webapp import observability
+from webapp.gateway import rl
 from webapp.gateway.completions import Reply, chat_completion
 from webapp.gateway.errors import GatewayError
 from webapp.middleware import too_large_body
 
-ROUTE = re.compile(r"/agents/([^/]+)/v1/chat/completions")
+ROUTE = re.compile(
+    r"/agents/([^/]+)/v1/(chat/completions|rl/start_session|rl/set_reward|rl/end_session)"
+)
+
+
+def _endpoint(function, **header_arguments: str):
+    """``function`` (an agent endpoint taking the request's parts) called with the agent id, the
+    bearer, the content type, the body, and each of ``header_arguments`` (argument → header)."""
+
+    async def answer(agent_id: str, headers: dict[str, str], body: bytes) -> Reply:
+        return await function(
+            agent_id=agent_id,
+            authorization=headers.get("authorization", ""),
+            content_type=headers.get("content-type", ""),
+            body=body,
+            **{name: headers.get(header, "") for name, header in header_arguments.items()},
+        )
+
+    return answer
+
+
+ENDPOINTS = {
+    "chat/completions": _endpoint(chat_completion, retry_count="x-stainless-retry-count"),
+    "rl/start_session": _endpoint(rl.start_session),
+    "rl/set_reward": _endpoint(rl.set_reward),
+    "rl/end_session": _endpoint(rl.end_session),
+}
 
 
 def fast_route(django_app):
-    """An ASGI app serving chat completions itself and everything else through ``django_app``."""
+    """An ASGI app serving an agent's calls itself and everything else through ``django_app``."""
 
     async def app(scope, receive, send):
         if scope["type"] == "http":
@@ -37,7 +66,8 @@ def fast_route(django_app):
             if match is not None:
                 headers = _headers(scope)
                 if _ours(scope, headers):
-                    await _chat(scope, receive, send, match.group(1), headers)
+                    endpoint = ENDPOINTS[match.group(2)]
+                    await _serve(scope, receive, send, endpoint, match.group(1), headers)
                     return
         await django_app(scope, receive, send)
 
@@ -68,7 +98,7 @@ def _ours(scope, headers: dict[str, str]) -> bool:
     return not settings.SECURE_SSL_REDIRECT or _secure(scope, headers)
 
 
-async def _chat(scope, receive, send, agent_id: str, headers: dict[str, str]) -> None:
+async def _serve(scope, receive, send, endpoint, agent_id: str, headers: dict[str, str]) -> None:
     started = time.perf_counter()
     request_id = observability.request_id_for(headers.get("x-request-id"))
     observability.request_id_var.set(request_id)
@@ -81,16 +111,7 @@ async def _chat(scope, receive, send, agent_id: str, headers: dict[str, str]) ->
             body = await _read_body(receive, headers)
         except _Disconnected:
             return
-        if body is None:
-            reply = _too_large()
-        else:
-            reply = await chat_completion(
-                agent_id=agent_id,
-                authorization=headers.get("authorization", ""),
-                content_type=headers.get("content-type", ""),
-                body=body,
-                retry_count=headers.get("x-stainless-retry-count", ""),
-            )
+        reply = _too_large() if body is None else await endpoint(agent_id, headers, body)
     await _send(send, reply, request_id, _secure(scope, headers))
     observability.log_request(scope["method"], scope["path"], reply.status, started)
 

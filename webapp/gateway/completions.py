@@ -22,11 +22,17 @@ from django.conf import settings
 from rl_core.chat import ChatTemplateError, ChatTokenizer, load_chat_tokenizer, parse_tool_calls
 from webapp.accounts.auth import bearer_token
 from webapp.gateway import turns
+from webapp.gateway.caches import CACHES
+from webapp.gateway.chat_request import (
+    ChatRequest,
+    check_storable,
+    parse_chat_request,
+    storable_text,
+)
 from webapp.gateway.errors import GatewayError, bad_request
 from webapp.gateway.inference import generate
 from webapp.gateway.lane import LaneError, lane
 from webapp.gateway.prompts import build_prompt, continued_choice
-from webapp.gateway.requests import ChatRequest, check_storable, parse_chat_request, storable_text
 
 
 @dataclass
@@ -71,7 +77,7 @@ def parse_json_body(body: bytes, content_type: str) -> object:
 
 
 async def _tokenizer(base_model: str) -> ChatTokenizer:
-    tok = _TOKENIZERS.get(base_model)
+    tok = CACHES.tokenizers.get(base_model)
     if tok is None:
         try:  # the first load reads files: off the event loop
             tok = await asyncio.to_thread(load_chat_tokenizer, base_model)
@@ -81,11 +87,8 @@ async def _tokenizer(base_model: str) -> ChatTokenizer:
                 f"Cannot load the tokenizer of {base_model}: {exc}",
                 code="tokenizer_unavailable",
             ) from None
-        _TOKENIZERS[base_model] = tok
+        CACHES.tokenizers[base_model] = tok
     return tok
-
-
-_TOKENIZERS: dict[str, ChatTokenizer] = {}
 
 
 async def in_lane(operation, *, durable: bool = True):

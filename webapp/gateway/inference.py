@@ -16,32 +16,28 @@ from rl_core.inference.client import (
     PooledInferenceClient,
 )
 from webapp.gateway import selectors
+from webapp.gateway.caches import CACHES, SERVERS_TTL_S
 from webapp.gateway.errors import GatewayError
 from webapp.gateway.services import inference_server_mark_down, inference_server_mark_up
 
-_CLIENTS: dict[tuple[int, str], PooledInferenceClient] = {}
 
-# A run's serving servers, per process, re-read at most every SERVERS_TTL_S (and at once after a
-# failure here): the list changes when servers are attached, stopped or marked down, rarely.
-SERVERS_TTL_S = 1.0
-_SERVERS: dict[object, tuple[float, list[tuple[str, bool]]]] = {}
-
-
-_READING: dict[tuple[int, object], asyncio.Future] = {}  # reads in flight, per loop and run
+def order_candidates(servers: list[tuple[str, bool]], sticky: str) -> list[tuple[str, bool]]:
+    """The session's own server first, then the least loaded in this process."""
+    return sorted(servers, key=lambda server: (server[0] != sticky, CACHES.in_flight[server[0]]))
 
 
 async def _candidates(run_id, sticky: str) -> list[tuple[str, bool]]:
-    cached = _SERVERS.get(run_id)
+    cached = CACHES.servers.get(run_id)
     if cached is not None and cached[0] > time.monotonic():
-        return selectors.order_candidates(cached[1], sticky)
+        return order_candidates(cached[1], sticky)
     # When the entry expires under load, one request reads the list; the others wait for it.
     key = (id(asyncio.get_running_loop()), run_id)
-    reading = _READING.get(key)
+    reading = CACHES.server_reads.get(key)
     if reading is None:
-        reading = _READING[key] = asyncio.ensure_future(_read_servers(run_id))
-        reading.add_done_callback(lambda _: _READING.pop(key, None))
+        reading = CACHES.server_reads[key] = asyncio.ensure_future(_read_servers(run_id))
+        reading.add_done_callback(lambda _: CACHES.server_reads.pop(key, None))
     servers = await asyncio.shield(reading)
-    return selectors.order_candidates(servers, sticky)
+    return order_candidates(servers, sticky)
 
 
 async def _read_servers(run_id) -> list[tuple[str, bool]]:
@@ -49,21 +45,21 @@ async def _read_servers(run_id) -> list[tuple[str, bool]]:
         run_id=run_id
     )
     if servers:  # an empty list is not cached: a server attached now is used at once
-        _SERVERS[run_id] = (time.monotonic() + SERVERS_TTL_S, servers)
+        CACHES.servers[run_id] = (time.monotonic() + SERVERS_TTL_S, servers)
     return servers
 
 
 async def _mark_down(run_id, url: str) -> None:
-    _SERVERS.pop(run_id, None)
+    CACHES.servers.pop(run_id, None)
     await sync_to_async(inference_server_mark_down, thread_sensitive=False)(run_id=run_id, url=url)
 
 
 def _client(url: str) -> PooledInferenceClient:
     # One pooled HTTP client per event loop and server: HTTP clients are bound to their loop.
     key = (id(asyncio.get_running_loop()), url)
-    client = _CLIENTS.get(key)
+    client = CACHES.clients.get(key)
     if client is None:
-        client = _CLIENTS[key] = PooledInferenceClient(url)
+        client = CACHES.clients[key] = PooledInferenceClient(url)
     return client
 
 
@@ -100,7 +96,7 @@ async def generate(
     last_error: Exception | None = None
     for url, healthy in candidates:
         client = _client(url)
-        selectors.IN_FLIGHT[url] += n
+        CACHES.in_flight[url] += n
         try:
             jobs = []
             for index in range(n):
@@ -126,9 +122,9 @@ async def generate(
             await _mark_down(run_id, url)
             continue
         finally:
-            selectors.IN_FLIGHT[url] -= n
+            CACHES.in_flight[url] -= n
         if not healthy:  # back after its back-off: in rotation again
-            _SERVERS.pop(run_id, None)
+            CACHES.servers.pop(run_id, None)
             await sync_to_async(inference_server_mark_up, thread_sensitive=False)(
                 run_id=run_id, url=url
             )

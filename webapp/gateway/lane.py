@@ -281,10 +281,11 @@ async def in_thread(operation: Operation[T], *, durable: bool = True) -> T:
     """Run an operation in its own transaction through ``sync_to_async`` (thread-sensitive:
     on the request's own connection, which is what Django's test client needs). Django's
     routes use this; the ASGI fast route uses the lane. Every commit here is durable."""
-    return await sync_to_async(_atomically, thread_sensitive=True)(operation)
+    return await sync_to_async(in_transaction, thread_sensitive=True)(operation)
 
 
-def _atomically(operation: Operation[T]) -> T:
+def in_transaction(operation: Operation[T]) -> T:
+    """Run an operation in a transaction (a savepoint inside one) on this thread's connection."""
     with transaction.atomic(), connection.cursor() as cursor:
         return operation(cursor)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rl_core.chat import ChatTokenizer
-from webapp.gateway.requests import normalize_message, storable_text
+from webapp.gateway.chat_request import normalize_message, storable_text
 
 
 @dataclass
@@ -63,27 +63,23 @@ def continued_choice(messages: list[dict], previous: PreviousTurn) -> int | None
 def _extend(
     tok: ChatTokenizer, messages: list[dict], tools: list[dict] | None, previous: PreviousTurn
 ) -> Prompt | None:
+    """The previous turn's ids and the chosen answer's ids, then the tokens of what the
+    template writes after them; a fresh render when its text does not begin with theirs.
+
+    One render per turn: the previous prompt and the answer are taken as the text their ids
+    decode to, not rendered again. The prompt's text is then the template's rendering of
+    ``messages`` (up to what ``storable_text`` replaces), and its prefix is what the model
+    saw and produced.
+    """
     if (tools or None) != (previous.tools or None):
         return None
     chosen = continued_choice(messages, previous)
     if chosen is None:
         return None
-    k = len(previous.messages)
-    previous_prompt = tok.render(previous.messages, tools=tools, add_generation_prompt=True)
-    with_answer = tok.render(messages[: k + 1], tools=tools, add_generation_prompt=False)
+    seen_ids = previous.input_ids + list(previous.choices[chosen]["output_ids"])
+    # As stored and returned: a generated NUL reads as U+FFFD in the answer the agent echoes.
+    seen = storable_text(tok.decode(seen_ids, skip_special_tokens=False))
     full = tok.render(messages, tools=tools, add_generation_prompt=True)
-    if not (with_answer.startswith(previous_prompt) and full.startswith(with_answer)):
-        return None
-    # What the template writes for the answer, versus what the model generated: the
-    # generated ids stay as they are; only the template's closing text is appended.
-    answer_text = with_answer[len(previous_prompt) :]
-    output_ids = previous.choices[chosen]["output_ids"]
-    generated = storable_text(tok.decode(output_ids, skip_special_tokens=False))
-    if not answer_text.startswith(generated):
+    if not full.startswith(seen):
         return Prompt(input_ids=tok.encode(full), reused=False, chosen=chosen)
-    new_text = answer_text[len(generated) :] + full[len(with_answer) :]
-    return Prompt(
-        input_ids=previous.input_ids + list(output_ids) + tok.encode(new_text),
-        reused=True,
-        chosen=chosen,
-    )
+    return Prompt(input_ids=seen_ids + tok.encode(full[len(seen) :]), reused=True, chosen=chosen)

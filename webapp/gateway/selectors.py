@@ -1,12 +1,10 @@
-"""Reads for the gateway: server choice, previous turns, sessions and trajectories."""
+"""Reads for the gateway: serving servers, sessions, turns and trajectories."""
 
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from collections.abc import Iterator
 
-from django.db import connection, transaction
 from django.db.models import FloatField, OuterRef, Prefetch, Q, QuerySet, Subquery, Sum
 from django.http import Http404
 from django.utils import timezone
@@ -19,13 +17,10 @@ from webapp.runs.models import Run
 
 logger = logging.getLogger(__name__)
 
-# Requests in flight per server URL, in this process: new sessions go to the least loaded.
-IN_FLIGHT: Counter[str] = Counter()
-
 
 def server_candidates(*, run_id) -> list[tuple[str, bool]]:
     """Serving server URLs of a run with their ``healthy`` flag, in registration order (a
-    server whose back-off has passed is listed with ``False``); ``order_candidates`` puts
+    server whose back-off has passed is listed with ``False``); ``inference.order_candidates`` puts
     them best first for a request."""
     now = timezone.now()
     servers = list(
@@ -35,11 +30,6 @@ def server_candidates(*, run_id) -> list[tuple[str, bool]]:
         .values_list("url", "healthy")
     )
     return servers
-
-
-def order_candidates(servers: list[tuple[str, bool]], sticky: str) -> list[tuple[str, bool]]:
-    """The session's own server first, then the least loaded in this process."""
-    return sorted(servers, key=lambda server: (server[0] != sticky, IN_FLIGHT[server[0]]))
 
 
 def session_list(
@@ -53,6 +43,13 @@ def session_list(
     if status:
         sessions = sessions.filter(Q(status=status) | Q(trajectory=status))
     return sessions.annotate(reward_total=_reward_total()).order_by("-created_at")
+
+
+def session_count(
+    *, project: Project, agent_id=None, run_id=None, status: str | None = None
+) -> int:
+    """How many sessions ``session_list`` lists with these filters."""
+    return session_list(project=project, agent_id=agent_id, run_id=run_id, status=status).count()
 
 
 def _reward_total() -> Subquery:
@@ -184,24 +181,3 @@ def trajectories_export(
                 "status": session.status,
                 "trajectory": session.trajectory,
             }
-
-
-def trajectories_claim(*, run: Run, limit: int) -> list[Session]:
-    """Claim up to ``limit`` ready sessions of ``run``, oldest first, for the trainer.
-
-    Concurrent claimers never get the same session: on PostgreSQL rows are locked
-    with SKIP LOCKED; SQLite serialises write transactions.
-    """
-    with transaction.atomic():
-        ready = Session.objects.filter(run=run, trajectory=Session.Trajectory.READY).order_by(
-            "ended_at", "created_at"
-        )
-        if connection.features.has_select_for_update_skip_locked:
-            ready = ready.select_for_update(skip_locked=True)
-        sessions = list(ready[:limit])
-        Session.objects.filter(pk__in=[s.pk for s in sessions]).update(
-            trajectory=Session.Trajectory.CLAIMED, claimed_at=timezone.now()
-        )
-    for session in sessions:
-        session.trajectory = Session.Trajectory.CLAIMED
-    return sessions

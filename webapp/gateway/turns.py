@@ -5,8 +5,9 @@ A completion touches the database twice:
 1. ``begin(...)``: authenticate the bearer (project key or session key) for the agent,
    count it against the key's rate limit, check the agent's run is serving, then either
    load the session's last turn (token-exact continuation, retry dedup) or, for a
-   project key, admit a one-turn session (``admission.admit``);
-2. ``record(...)``: store the turn (the interaction row; the session's row or counters) and
+   project key, admit a one-turn session (``lifecycle.admit``);
+2. ``record(...)``: store the turn (the interaction row; a one-turn session's row through
+   ``lifecycle.insert_open``, or the open session's turn count) and
    return the response to send, which for a retry overlapping its original is the
    original's.
 
@@ -18,25 +19,20 @@ one implementation of the gateway's auth rules for the ORM services.
 
 from __future__ import annotations
 
-import functools
-import json
 import uuid
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
-import orjson
 from django.conf import settings
-from django.db.models import JSONField
 from django.utils import timezone
-from django.utils.dateparse import parse_datetime
 
 from webapp import ratelimit
 from webapp.accounts.keys import SESSION_KEY_PREFIX, hash_key
 from webapp.accounts.models import APIKey
 from webapp.accounts.services import LAST_USED_RESOLUTION
 from webapp.agents.models import Agent
-from webapp.gateway import admission
+from webapp.gateway import admission, lifecycle, sql
 from webapp.gateway.errors import GatewayError
 from webapp.gateway.models import Interaction, Session
 from webapp.gateway.prompts import PreviousTurn
@@ -47,6 +43,23 @@ REPLAY_WINDOW = timedelta(minutes=10)  # how long a one-turn completion answers 
 _KEYS, _AGENTS, _RUNS = APIKey._meta.db_table, Agent._meta.db_table, Run._meta.db_table
 _SESSIONS, _INTERACTIONS = Session._meta.db_table, Interaction._meta.db_table
 _RUN_COLUMNS = "r.id, r.name, r.status, r.weight_version, r.config, r.base_model, r.created_at"
+
+
+def _session_key_statement(last_turn: bool) -> str:
+    """The session key's session, agent and run; with ``last_turn``, the session's last turn."""
+    turn_columns = ", t.request_hash, t.messages, t.tools, t.input_ids, t.outputs, t.response"
+    turn_join = (
+        f" LEFT JOIN {_INTERACTIONS} t ON t.session_id = s.id AND t.turn = s.interaction_count - 1"
+    )
+    return (
+        f"SELECT s.id, s.status, s.server_url, s.interaction_count, s.agent_id, a.name,"
+        f" a.project_id, {_RUN_COLUMNS}{turn_columns if last_turn else ''} FROM {_SESSIONS} s"
+        f" JOIN {_AGENTS} a ON a.id = s.agent_id LEFT JOIN {_RUNS} r ON r.id = a.run_id"
+        f"{turn_join if last_turn else ''} WHERE s.key_hash = %s"
+    )
+
+
+_SESSION_KEY = {False: _session_key_statement(False), True: _session_key_statement(True)}
 
 
 @dataclass(frozen=True)
@@ -73,6 +86,7 @@ class Caller:
     session_status: str | None = None
     session_server: str = ""
     session_turns: int = 0
+    last_turn: tuple | None = None  # request_hash, messages, tools, input_ids, outputs, response
 
 
 @dataclass(frozen=True)
@@ -88,77 +102,17 @@ class Turn:
     replay: dict | None = None  # an SDK retry: answer this recorded response, record nothing
 
 
-# --- Values as the database returns them -------------------------------------------------
-
-
-def _uuid(value) -> uuid.UUID | None:
-    if value is None or isinstance(value, uuid.UUID):
-        return value
-    return uuid.UUID(str(value))
-
-
-def _json(value):
-    return json.loads(value) if isinstance(value, str | bytes) else value
-
-
-def _datetime(value) -> datetime | None:
-    if value is None:
-        return None
-    if isinstance(value, str):
-        value = parse_datetime(value)
-    return value if timezone.is_aware(value) else timezone.make_aware(value, UTC)
-
-
 def _run(row) -> RunInfo | None:
     if row[0] is None:
         return None
     return RunInfo(
-        id=_uuid(row[0]),
+        id=sql.as_uuid(row[0]),
         name=row[1],
         status=row[2],
         weight_version=int(row[3]),
-        config=_json(row[4]) or {},
+        config=sql.loads(row[4]) or {},
         base_model=row[5],
-        created_at=_datetime(row[6]),
-    )
-
-
-# Values are prepared with ``cursor.db`` (the thread's DatabaseWrapper) rather than the
-# ``connection`` proxy, whose every attribute access is a context-local lookup.
-
-
-def _pk(cursor, model, value):
-    return model._meta.pk.get_db_prep_value(value, cursor.db)
-
-
-def _value(cursor, model, name: str, value):
-    return model._meta.get_field(name).get_db_prep_save(value, cursor.db)
-
-
-def _for_update(cursor) -> str:
-    return " FOR UPDATE" if cursor.db.features.has_select_for_update else ""
-
-
-@functools.cache
-def _insert_statement(model, names: tuple[str, ...]) -> tuple[str, list]:
-    fields = [model._meta.get_field(name) for name in names]
-    columns = ", ".join(field.column for field in fields)
-    marks = ", ".join(["%s"] * len(fields))
-    return f"INSERT INTO {model._meta.db_table} ({columns}) VALUES ({marks})", fields
-
-
-def _insert(cursor, model, values: dict[str, Any]) -> None:
-    statement, fields = _insert_statement(model, tuple(values))
-    sqlite = cursor.db.vendor == "sqlite"
-    cursor.execute(
-        statement,
-        [
-            # SQLite keeps JSON as text: orjson writes the same JSON, several times faster.
-            orjson.dumps(value).decode()
-            if sqlite and value is not None and isinstance(field, JSONField)
-            else field.get_db_prep_save(value, cursor.db)
-            for field, value in ((field, values[field.name]) for field in fields)
-        ],
+        created_at=sql.as_datetime(row[6]),
     )
 
 
@@ -167,7 +121,7 @@ def _insert(cursor, model, values: dict[str, Any]) -> None:
 
 def _agent_uuid(agent_id) -> uuid.UUID:
     try:
-        return _uuid(agent_id)
+        return sql.as_uuid(agent_id)
     except ValueError:
         raise agent_not_found(agent_id) from None
 
@@ -182,24 +136,22 @@ def missing_key() -> GatewayError:
     )
 
 
-def authenticate(cursor, *, token: str | None, agent_id) -> Caller:
-    """A project key of the agent's project, or a session key of this agent; 401/404 otherwise."""
+def authenticate(cursor, *, token: str | None, agent_id, last_turn: bool = False) -> Caller:
+    """A project key of the agent's project, or a session key of this agent; 401/404 otherwise.
+
+    ``last_turn``: for a session key, also read the session's last turn (``Caller.last_turn``)
+    in the same statement, as a chat turn needs it.
+    """
     if not token:
         raise missing_key()
     agent_uuid = _agent_uuid(agent_id)
     key_hash = hash_key(token)
     if token.startswith(SESSION_KEY_PREFIX):
-        cursor.execute(
-            f"SELECT s.id, s.status, s.server_url, s.interaction_count, s.agent_id, a.name,"
-            f" a.project_id, {_RUN_COLUMNS} FROM {_SESSIONS} s"
-            f" JOIN {_AGENTS} a ON a.id = s.agent_id LEFT JOIN {_RUNS} r ON r.id = a.run_id"
-            " WHERE s.key_hash = %s",
-            [key_hash],
-        )
+        cursor.execute(_SESSION_KEY[last_turn], [key_hash])
         row = cursor.fetchone()
         if row is None:
             raise GatewayError(401, "Invalid or superseded session key.", code="invalid_api_key")
-        if _uuid(row[4]) != agent_uuid:
+        if sql.as_uuid(row[4]) != agent_uuid:
             raise agent_not_found(agent_id)
         return Caller(
             agent_id=agent_uuid,
@@ -207,27 +159,28 @@ def authenticate(cursor, *, token: str | None, agent_id) -> Caller:
             project_id=row[6],
             key_hash=key_hash,
             run=_run(row[7:]),
-            session_id=_uuid(row[0]),
+            session_id=sql.as_uuid(row[0]),
             session_status=row[1],
             session_server=row[2] or "",
             session_turns=int(row[3]),
+            last_turn=row[14:] if last_turn and row[14] is not None else None,
         )
     cursor.execute(
         f"SELECT k.id, k.project_id, k.revoked_at, k.expires_at, k.last_used_at, a.id, a.name,"
         f" {_RUN_COLUMNS} FROM {_KEYS} k"
         f" LEFT JOIN {_AGENTS} a ON a.project_id = k.project_id AND a.id = %s"
         f" LEFT JOIN {_RUNS} r ON r.id = a.run_id WHERE k.hashed = %s",
-        [_pk(cursor, Agent, agent_uuid), key_hash],
+        [sql.pk(cursor, Agent, agent_uuid), key_hash],
     )
     row = cursor.fetchone()
     now = timezone.now()
-    if row is None or row[2] is not None or (row[3] is not None and _datetime(row[3]) <= now):
+    if row is None or row[2] is not None or (row[3] is not None and sql.as_datetime(row[3]) <= now):
         raise GatewayError(401, "Invalid, expired or revoked API key.", code="invalid_api_key")
-    last_used = _datetime(row[4])
+    last_used = sql.as_datetime(row[4])
     if last_used is None or now - last_used > LAST_USED_RESOLUTION:
         cursor.execute(
             f"UPDATE {_KEYS} SET last_used_at = %s WHERE id = %s",
-            [_value(cursor, APIKey, "last_used_at", now), row[0]],
+            [sql.value(cursor, APIKey, "last_used_at", now), row[0]],
         )
     if row[5] is None:
         raise agent_not_found(agent_id)
@@ -238,6 +191,15 @@ def authenticate(cursor, *, token: str | None, agent_id) -> Caller:
         key_hash=key_hash,
         run=_run(row[7:]),
     )
+
+
+def identify(cursor, *, token: str | None, agent_id, last_turn: bool = False) -> Caller:
+    """``authenticate``, then one request counted against the key's rate limit. Limiting
+    after authentication counts only real keys; limiting before the run's state is checked
+    means a client hammering a stopped run is slowed down too."""
+    caller = authenticate(cursor, token=token, agent_id=agent_id, last_turn=last_turn)
+    rate_limit(caller)
+    return caller
 
 
 def rate_limit(caller: Caller) -> None:
@@ -319,14 +281,13 @@ def begin(*, token: str | None, agent_id, fingerprint: str, is_retry: bool):
     """The operation that starts a completion; returns a ``Turn``."""
 
     def operation(cursor) -> Turn:
-        caller = authenticate(cursor, token=token, agent_id=agent_id)
-        rate_limit(caller)
+        caller = identify(cursor, token=token, agent_id=agent_id, last_turn=True)
         run = serving(caller)
         if caller.session_id is not None:
             gone = session_gone(caller.session_id, caller.session_status)
             if gone is not None:
                 raise gone
-            previous, last = _last_turn(cursor, caller.session_id, caller.session_turns)
+            previous, last = _last_turn(caller.last_turn)
             if last is not None and last["request_hash"] == fingerprint:
                 # An SDK retry of the last turn: same answer, nothing recorded twice.
                 return Turn(caller, run, caller.session_id, False, "", replay=last["response"])
@@ -337,7 +298,7 @@ def begin(*, token: str | None, agent_id, fingerprint: str, is_retry: bool):
             replay = _recent_replay(cursor, caller.agent_id, fingerprint)
             if replay is not None:
                 return Turn(caller, run, uuid.uuid4(), False, "", replay=replay)
-        if not admission.admit(cursor, run_id=run.id, config=run.config):
+        if not lifecycle.admit(cursor, run_id=run.id, config=run.config):
             raise budget_full(cursor, run)
         # The one-turn session's row is written with its interaction (``record``); until
         # then only its admission slot exists (``discard`` gives it back).
@@ -346,22 +307,15 @@ def begin(*, token: str | None, agent_id, fingerprint: str, is_retry: bool):
     return operation
 
 
-def _last_turn(cursor, session_id, turns: int) -> tuple[PreviousTurn | None, dict | None]:
-    if turns == 0:
-        return None, None
-    cursor.execute(
-        f"SELECT request_hash, messages, tools, input_ids, outputs, response FROM {_INTERACTIONS}"
-        " WHERE session_id = %s AND turn = %s",
-        [_pk(cursor, Session, session_id), turns - 1],
-    )
-    row = cursor.fetchone()
+def _last_turn(row: tuple | None) -> tuple[PreviousTurn | None, dict | None]:
+    """The session's last turn as read by ``authenticate(..., last_turn=True)``."""
     if row is None:
         return None, None
-    outputs, response = _json(row[4]), _json(row[5])
+    outputs, response = sql.loads(row[4]), sql.loads(row[5])
     previous = PreviousTurn(
-        messages=_json(row[1]),
-        tools=_json(row[2]),
-        input_ids=_json(row[3]),
+        messages=sql.loads(row[1]),
+        tools=sql.loads(row[2]),
+        input_ids=sql.loads(row[3]),
         choices=[
             {"output_ids": out["output_ids"], "message": choice["message"]}
             for out, choice in zip(outputs, response["choices"], strict=True)
@@ -372,15 +326,15 @@ def _last_turn(cursor, session_id, turns: int) -> tuple[PreviousTurn | None, dic
 
 def _recent_replay(cursor, agent_id, fingerprint: str) -> dict | None:
     """A one-turn completion of this agent with the same request, recorded recently."""
-    since = _value(cursor, Interaction, "created_at", timezone.now() - REPLAY_WINDOW)
+    since = sql.value(cursor, Interaction, "created_at", timezone.now() - REPLAY_WINDOW)
     cursor.execute(
         f"SELECT i.response FROM {_INTERACTIONS} i JOIN {_SESSIONS} s ON s.id = i.session_id"
         " WHERE s.agent_id = %s AND s.one_turn = %s AND i.request_hash = %s AND i.created_at >= %s"
         " ORDER BY i.created_at DESC LIMIT 1",
-        [_pk(cursor, Agent, agent_id), True, fingerprint, since],
+        [sql.pk(cursor, Agent, agent_id), True, fingerprint, since],
     )
     row = cursor.fetchone()
-    return None if row is None else _json(row[0])
+    return None if row is None else sql.loads(row[0])
 
 
 def record(
@@ -406,12 +360,12 @@ def record(
         now = timezone.now()
         if turn.opened:
             number = 0
-            _insert(cursor, Session, _one_turn_session(turn, server_url, now))
+            lifecycle.insert_open(cursor, _one_turn_session(turn, server_url, now))
         else:
             number = _next_turn(cursor, turn.session_id, request_hash, previous_chosen)
             if isinstance(number, dict):
                 return number  # a retry that overlapped its original: the first answer only
-        _insert(
+        sql.insert(
             cursor,
             Interaction,
             {
@@ -438,9 +392,9 @@ def record(
                 " server_url = %s WHERE id = %s",
                 [
                     number + 1,
-                    _value(cursor, Session, "last_activity_at", now),
+                    sql.value(cursor, Session, "last_activity_at", now),
                     server_url,
-                    _pk(cursor, Session, turn.session_id),
+                    sql.pk(cursor, Session, turn.session_id),
                 ],
             )
         return response
@@ -458,8 +412,6 @@ def _one_turn_session(turn: Turn, server_url: str, now: datetime) -> dict[str, A
         "one_turn": True,
         "task_id": "",
         "metadata": {},
-        "status": Session.Status.OPEN,
-        "trajectory": Session.Trajectory.PENDING,
         "admitted_version": turn.run.weight_version,
         "interaction_count": 1,
         "server_url": server_url,
@@ -471,9 +423,11 @@ def _one_turn_session(turn: Turn, server_url: str, now: datetime) -> dict[str, A
 def _next_turn(cursor, session_id, request_hash: str, previous_chosen: int | None) -> int | dict:
     """The number of the session's next turn (locking the session), or the response of its last
     turn when that was the same request."""
-    session_pk = _pk(cursor, Session, session_id)
+    session_pk = sql.pk(cursor, Session, session_id)
     cursor.execute(
-        f"SELECT status, interaction_count FROM {_SESSIONS} WHERE id = %s{_for_update(cursor)}",
+        f"SELECT s.status, s.interaction_count, t.request_hash, t.chosen FROM {_SESSIONS} s"
+        f" LEFT JOIN {_INTERACTIONS} t ON t.session_id = s.id AND t.turn = s.interaction_count - 1"
+        f" WHERE s.id = %s{sql.for_update(cursor, of='s')}",
         [session_pk],
     )
     row = cursor.fetchone()
@@ -483,20 +437,21 @@ def _next_turn(cursor, session_id, request_hash: str, previous_chosen: int | Non
             f"Session {session_id} ended while the request was in flight.",
             code="session_ended",
         )
-    number = int(row[1])
-    if number > 0:
+    number, last_hash, last_chosen = int(row[1]), row[2], row[3]
+    if last_hash is None:  # the first turn
+        return number
+    last_turn = [session_pk, number - 1]
+    if last_hash == request_hash:
         cursor.execute(
-            f"SELECT request_hash, response FROM {_INTERACTIONS} WHERE session_id = %s AND turn = %s",
-            [session_pk, number - 1],
+            f"SELECT response FROM {_INTERACTIONS} WHERE session_id = %s AND turn = %s",
+            last_turn,
         )
-        last = cursor.fetchone()
-        if last is not None and last[0] == request_hash:
-            return _json(last[1])
-        if previous_chosen is not None:
-            cursor.execute(
-                f"UPDATE {_INTERACTIONS} SET chosen = %s WHERE session_id = %s AND turn = %s",
-                [previous_chosen, session_pk, number - 1],
-            )
+        return sql.loads(cursor.fetchone()[0])
+    if previous_chosen is not None and last_chosen != previous_chosen:
+        cursor.execute(
+            f"UPDATE {_INTERACTIONS} SET chosen = %s WHERE session_id = %s AND turn = %s",
+            [previous_chosen, *last_turn],
+        )
     return number
 
 
@@ -506,12 +461,7 @@ def discard(*, turn: Turn):
     still have been recorded (operations run in order): then its slot stays taken."""
 
     def operation(cursor) -> None:
-        if not turn.opened:
-            return
-        cursor.execute(
-            f"SELECT 1 FROM {_SESSIONS} WHERE id = %s", [_pk(cursor, Session, turn.session_id)]
-        )
-        if cursor.fetchone() is None:
-            admission.count(cursor, turn.run.id, opened=-1)
+        if turn.opened:
+            lifecycle.give_back(cursor, run_id=turn.run.id, session_id=turn.session_id)
 
     return operation
