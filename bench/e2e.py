@@ -19,12 +19,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import secrets
-import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,23 +28,9 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
+sys.path.insert(0, str(ROOT))
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait(check, timeout: float, what: str, interval: float = 1.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(interval)
-    raise SystemExit(f"timed out waiting for {what}")
+from tests.livestack import LiveStack, free_port, steep_env  # noqa: E402
 
 
 def main() -> None:
@@ -57,7 +39,6 @@ def main() -> None:
     parser.add_argument("--staleness", default="0,4")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    sys.path.insert(0, str(ROOT))
     from rl_core.tiny import build_tiny_model
     from rl_core.toy import TOY_SETTINGS, toy_rows
 
@@ -65,82 +46,26 @@ def main() -> None:
     data_dir = work / "data"
     data_dir.mkdir(parents=True)
     port = free_port()
-    env = dict(os.environ)
-    for name in ("DATABASE_URL", "REDIS_URL", "RAY_ADDRESS"):
-        env.pop(name, None)
-    env.update(
-        DATA_DIR=str(data_dir),
-        SITE_URL=f"http://127.0.0.1:{port}",
+    env = steep_env(
+        data_dir=data_dir,
+        site_url=f"http://127.0.0.1:{port}",
+        local_ray=True,
         DEBUG="true",
-        PYTHONUNBUFFERED="1",
-        RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
-        RAY_LOCAL_DASHBOARD_PORT=str(free_port()),
-        RAY_LOCAL_GCS_PORT=str(free_port()),
-        RAY_NUM_CPUS="4",
-        STEEP_TORCH_THREADS="1",
         SECRET_KEY=secrets.token_urlsafe(32),
     )
-    manage = [sys.executable, "manage.py"]
-    subprocess.run([*manage, "migrate", "-v0"], cwd=ROOT, env=env, check=True)
-    key = (
-        subprocess.run(
-            [*manage, "create_api_key", "--project", "bench"],
-            cwd=ROOT,
-            env=env,
-            check=True,
-            capture_output=True,
-            text=True,
-        )
-        .stdout.strip()
-        .splitlines()[-1]
-    )
-    model = build_tiny_model(work / "tiny-chat")
-    procs = []
-    for name, command in {
-        "web": [
-            str(BIN / "uvicorn"),
-            "webapp.asgi:application",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--lifespan",
-            "off",
-            "--log-level",
-            "warning",
-        ],
-        "worker": [
-            str(BIN / "celery"),
-            "-A",
-            "workers",
-            "worker",
-            "-B",
-            "--pool=threads",
-            "--concurrency=4",
-            "-l",
-            "warning",
-            "--schedule",
-            str(work / "beat"),
-        ],
-    }.items():
-        procs.append(
-            subprocess.Popen(
-                command,
-                cwd=ROOT,
-                env=env,
-                stdout=open(work / f"{name}.log", "w"),
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        )
-    rest = httpx.Client(
-        base_url=f"http://127.0.0.1:{port}/api/v1",
-        headers={"Authorization": f"Bearer {key}"},
-        timeout=30,
-    )
     results = []
-    try:
-        wait(lambda: _up(rest), 60, "the web server")
+    with LiveStack(env=env, log_dir=work) as stack:
+        stack.manage("migrate", "-v0")
+        key = stack.manage("create_api_key", "--project", "bench").strip().splitlines()[-1]
+        model = build_tiny_model(work / "tiny-chat")
+        web = stack.start_web(port)
+        stack.start_worker(log_level="warning")
+        rest = httpx.Client(
+            base_url=f"http://127.0.0.1:{port}/api/v1",
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=30,
+        )
+        stack.wait_ready(web, lambda: _up(rest), what="the web server")
         body = "".join(json.dumps(row) + "\n" for row in toy_rows(256)).encode()
         dataset = rest.post(
             "/datasets/", data={"name": "toy"}, files={"file": ("toy.jsonl", body)}
@@ -149,19 +74,6 @@ def main() -> None:
             results.append(
                 measure(rest, env, dataset["id"], model, staleness, args.steps, TOY_SETTINGS)
             )
-    finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        os.environ.update({k: env[k] for k in ("DATA_DIR", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")})
-        from workers.ray_cluster import stop_local_cluster
-
-        stop_local_cluster(data_dir=data_dir)
-        shutil.rmtree(data_dir / "runs", ignore_errors=True)
     print(table(results, args.steps))
     if len(results) == 2 and results[0]["trajectories_per_s"]:
         print(

@@ -1,4 +1,4 @@
-"""Gateway benchmark (issue #4): Steep's gateway against LiteLLM's proxy and SGLang's router.
+"""Gateway benchmark (issues #4 and #11): Steep's gateway against LiteLLM's proxy and SGLang's router.
 
 Every target sits in front of the same zero-latency engine stand-in
 (``bench/standin.py``) on 127.0.0.1, and is driven by Debian's ``wrk`` (one
@@ -17,12 +17,22 @@ connections. The targets:
 
 Added latency is the target's p50 minus the direct p50 at one connection.
 
+``--workload sessions`` measures what agents do instead (issue #11): N agents (1, 64, 200)
+each looping ``/rl/start_session`` -> k chat turns with the session key (1, 3, 10; the
+conversation grows) -> ``/rl/set_reward`` -> ``/rl/end_session``, driven by the aiohttp
+client of ``bench/sessions_load.py`` in several processes. Targets: ``direct`` (the same
+loop against the stand-in: the client's own ceiling), ``steep`` (and, at each N, one-turn
+completions with the project key through the same client, to compare turns with), and
+``litellm`` (only the k turns: it has no session endpoints). After each Steep cell the
+rows written are counted against the answers acknowledged.
+
     .venv/bin/python bench/gateway.py                     # everything, ~7 minutes
     .venv/bin/python bench/gateway.py --targets direct,steep --database sqlite --duration 5
+    .venv/bin/python bench/gateway.py --workload sessions      # agents' episodes, ~10 minutes
 
 The peers' venvs are created under ``.steep/bench-venvs/`` on first use (idempotent);
 each run's files (databases, logs, wrk scripts, results.json) go to
-``.steep/bench/gateway-<time>/``. Everything started is stopped at the end.
+``.steep/bench/gateway-<time>/`` (``gateway-sessions-<time>/``). Everything started is stopped at the end.
 See docs/benchmarks.md ("Gateway") for the results and how to read them.
 """
 
@@ -30,23 +40,29 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import datetime as dt
 import json
 import os
 import platform
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
 import time
-import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench import sessions_load  # noqa: E402
+from bench.sessions_load import LoadConfig, SessionsCell, run_load  # noqa: E402
+from tests.livestack import LiveStack, answers, free_port, run_checked, steep_env  # noqa: E402
+
 STEEP_PYTHON = ROOT / ".venv" / "bin" / "python"
 VENVS = ROOT / ".steep" / "bench-venvs"
 RUNS = ROOT / ".steep" / "bench"
@@ -70,60 +86,7 @@ def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-# --- processes -------------------------------------------------------------------------------
-
-_STARTED: list[subprocess.Popen] = []
-
-
-def start(cmd: list[str], *, name: str, logdir: Path, env: dict | None = None, cwd=None):
-    out = open(logdir / f"{name}.log", "ab")
-    proc = subprocess.Popen(
-        cmd,
-        stdout=out,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        env=env,
-        cwd=cwd or ROOT,
-        start_new_session=True,  # its own process group: workers and children stop with it
-    )
-    proc.bench_name = name  # type: ignore[attr-defined]
-    _STARTED.append(proc)
-    return proc
-
-
-def stop(proc: subprocess.Popen, timeout: float = 10.0) -> None:
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait(5)
-    else:
-        # the leader is gone; make sure nothing it started lingers in its group
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-    if proc in _STARTED:
-        _STARTED.remove(proc)
-
-
-def stop_all() -> None:
-    for proc in list(reversed(_STARTED)):
-        stop(proc)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# --- HTTP (the processes: tests/livestack.py) ------------------------------------------------
 
 
 def http(method: str, url: str, body: dict | None = None, headers: dict | None = None, timeout=5.0):
@@ -133,36 +96,6 @@ def http(method: str, url: str, body: dict | None = None, headers: dict | None =
         req.add_header("Content-Type", "application/json")
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         return resp.status, resp.read()
-
-
-def wait_ready(
-    proc, url: str, *, body=None, headers=None, timeout: float = 120.0, what: str = ""
-) -> None:
-    deadline = time.monotonic() + timeout
-    last = ""
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what or url} exited with {proc.returncode}; see its log")
-        try:
-            status, _ = http("POST" if body is not None else "GET", url, body, headers, timeout=5)
-            if status == 200:
-                return
-            last = f"HTTP {status}"
-        except urllib.error.HTTPError as exc:
-            last = f"HTTP {exc.code}: {exc.read()[:200]!r}"
-        except (OSError, urllib.error.URLError) as exc:
-            last = repr(exc)
-        time.sleep(0.25)
-    raise RuntimeError(f"{what or url} not ready after {timeout:.0f}s ({last})")
-
-
-def run_checked(cmd: list[str], *, env=None, what: str) -> str:
-    result = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise RuntimeError(
-            f"{what} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
-        )
-    return result.stdout
 
 
 # --- peers' venvs ---------------------------------------------------------------------------
@@ -296,6 +229,26 @@ class Result:
     database: str = ""
 
 
+@dataclass
+class SteepServer:
+    name: str  # its log's name
+    label: str  # the report's row label
+    proc: subprocess.Popen
+    env: dict  # for manage.py against its database
+    key: str  # the project key
+    base: str  # the agent's base_url: .../agents/{id}/v1
+    data_dir: Path
+
+
+@dataclass
+class PeerServer:
+    name: str
+    label: str
+    base: str  # .../v1
+    key: str
+    venv: Path
+
+
 class Bench:
     def __init__(self, args, workdir: Path):
         self.args = args
@@ -304,16 +257,21 @@ class Bench:
         self.logs.mkdir(parents=True, exist_ok=True)
         self.standin_port = 0
         self.results: list[Result] = []
+        self.sessions: list[SessionsCell] = []  # --workload sessions
+        self.processes = LiveStack(log_dir=self.logs, python=STEEP_PYTHON)
+
+    def wait_ready(self, proc, url: str, *, what: str, timeout: float, body=None, headers=None):
+        self.processes.wait_ready(
+            proc, lambda: answers(url, body=body, headers=headers), what=what, timeout=timeout
+        )
 
     # stand-in
     def start_standin(self) -> None:
         self.standin_port = free_port()
-        proc = start(
-            [str(STEEP_PYTHON), "bench/standin.py", "--port", str(self.standin_port)],
-            name="standin",
-            logdir=self.logs,
+        proc = self.processes.start(
+            "standin", [str(STEEP_PYTHON), "bench/standin.py", "--port", str(self.standin_port)]
         )
-        wait_ready(proc, f"{self.standin_url}/health", what="stand-in", timeout=30)
+        self.wait_ready(proc, f"{self.standin_url}/health", what="stand-in", timeout=30)
 
     @property
     def standin_url(self) -> str:
@@ -337,27 +295,6 @@ class Bench:
         self.sweep("stand-in, direct", "direct", f"{self.standin_url}/v1/chat/completions", lua)
 
     # --- Steep
-    def steep_env(self, database: str, data_dir: Path, port: int) -> dict:
-        env = {
-            k: v
-            for k, v in os.environ.items()
-            if k not in ("DATABASE_URL", "REDIS_URL", "DATABASE_URL_FILE", "REDIS_URL_FILE")
-        }
-        env.update(
-            DJANGO_SETTINGS_MODULE="webapp.settings",
-            DATA_DIR=str(data_dir),
-            DEBUG="false",
-            SECRET_KEY="bench-gateway-not-a-secret-" + "x" * 32,
-            ALLOWED_HOSTS="127.0.0.1,localhost",
-            SITE_URL=f"http://127.0.0.1:{port}",
-            LOG_LEVEL="WARNING",
-            PYTHONUNBUFFERED="1",
-        )
-        if database == "postgres":
-            env["DATABASE_URL"] = self.args.postgres_url
-            env["REDIS_URL"] = self.args.redis_url
-        return env
-
     def fresh_postgres(self) -> None:
         from urllib.parse import urlparse
 
@@ -387,7 +324,17 @@ class Bench:
         if data_dir.exists():
             shutil.rmtree(data_dir)
         data_dir.mkdir(parents=True)
-        env = self.steep_env(database, data_dir, port)
+        postgres = database == "postgres"
+        env = steep_env(
+            data_dir=data_dir,
+            database_url=self.args.postgres_url if postgres else "",
+            redis_url=self.args.redis_url if postgres else "",
+            site_url=f"http://127.0.0.1:{port}",
+            DEBUG="false",
+            SECRET_KEY="bench-gateway-not-a-secret-" + "x" * 32,
+            ALLOWED_HOSTS="127.0.0.1,localhost",
+            LOG_LEVEL="WARNING",
+        )
         if database == "postgres":
             self.fresh_postgres()
         manage = [str(STEEP_PYTHON), "manage.py"]
@@ -426,10 +373,25 @@ class Bench:
         return env, key, agent_id, data_dir
 
     def steep_counts(self, env: dict) -> dict:
-        code = (
-            "import json; from webapp.gateway.models import Interaction, Session; "
-            "print('COUNTS', json.dumps({'sessions': Session.objects.count(), "
-            "'interactions': Interaction.objects.count()}))"
+        """Rows in the bench database: all sessions and interactions, and those of multi-turn
+        sessions (``/rl/start_session``) and one-turn ones (project-key completions) apart."""
+        code = textwrap.dedent(
+            """
+            import json
+            from webapp.gateway.models import Interaction, Session
+            multi = Session.objects.filter(one_turn=False)
+            turns = Interaction.objects.filter(session__one_turn=False)
+            print("COUNTS", json.dumps({
+                "sessions": Session.objects.count(),
+                "interactions": Interaction.objects.count(),
+                "multi_sessions": multi.count(),
+                "multi_ended": multi.filter(status=Session.Status.ENDED).count(),
+                "multi_interactions": turns.count(),
+                "multi_rewarded": turns.filter(reward__isnull=False).count(),
+                "one_turn_sessions": Session.objects.filter(one_turn=True).count(),
+                "one_turn_interactions": Interaction.objects.filter(session__one_turn=True).count(),
+            }))
+            """
         )
         out = run_checked(
             [str(STEEP_PYTHON), "manage.py", "shell", "-c", code], env=env, what="count rows"
@@ -437,38 +399,43 @@ class Bench:
         line = [x for x in out.splitlines() if x.startswith("COUNTS ")][-1]
         return json.loads(line[len("COUNTS ") :])
 
-    def steep(self, database: str, workers: int) -> None:
+    @contextlib.contextmanager
+    def steep_server(self, database: str, workers: int) -> Iterator[SteepServer]:
+        """A fresh Steep (``steep_setup``) served by uvicorn, warmed up; stopped on exit."""
         port = free_port()
         env, key, agent_id, data_dir = self.steep_setup(database, workers, port)
-        cmd = [
-            str(STEEP_PYTHON), "-m", "uvicorn", "webapp.asgi:application",
-            "--host", "127.0.0.1", "--port", str(port), "--workers", str(workers),
-            "--log-level", "warning", "--no-access-log", "--lifespan", "off",
-        ]  # fmt: skip
         name = f"steep-{database}-w{workers}"
-        proc = start(cmd, name=name, logdir=self.logs, env=env)
-        url = f"http://127.0.0.1:{port}/agents/{agent_id}/v1/chat/completions"
+        proc = self.processes.start_web(port, name=name, workers=workers, access_log=False, env=env)
+        base = f"http://127.0.0.1:{port}/agents/{agent_id}/v1"
+        url = f"{base}/chat/completions"
         headers = {"Authorization": f"Bearer {key}"}
         try:
-            wait_ready(proc, url, body=CHAT_BODY, headers=headers, what=name, timeout=60)
+            self.wait_ready(proc, url, body=CHAT_BODY, headers=headers, what=name, timeout=60)
             if workers > 1:  # every worker loads its tokenizer on its first request
                 for _ in range(4 * workers):
                     http("POST", url, CHAT_BODY, headers)
-            lua = write_lua(self.workdir / f"{name}.lua", headers)
             label = f"Steep, {'SQLite' if database == 'sqlite' else 'Postgres+Redis'}, {workers} worker{'s' if workers > 1 else ''}"
-            result = self.sweep(label, "steep", url, lua, workers=workers, database=database)
-            if self.args.profile:
-                self.profile(proc, url, lua, name)
+            yield SteepServer(name, label, proc, env, key, base, data_dir)
         finally:
-            stop(proc)
-        counts = self.steep_counts(env)
+            self.processes.stop(proc, timeout=10.0)
+
+    def steep(self, database: str, workers: int) -> None:
+        with self.steep_server(database, workers) as server:
+            url = f"{server.base}/chat/completions"
+            lua = write_lua(
+                self.workdir / f"{server.name}.lua", {"Authorization": f"Bearer {server.key}"}
+            )
+            result = self.sweep(server.label, "steep", url, lua, workers=workers, database=database)
+            if self.args.profile:
+                self.profile(server.proc, url, lua, server.name)
+        counts = self.steep_counts(server.env)
         ok = sum(c.requests - c.detail["err_status"] for c in result.cells)
         result.notes.append(
             f"{counts['interactions']} interactions / {counts['sessions']} sessions recorded "
             f"(measured cells: {ok} successful responses; the rest are warm-up)"
         )
         if database == "sqlite":
-            size = sum(p.stat().st_size for p in data_dir.glob("steep.sqlite3*"))
+            size = sum(p.stat().st_size for p in server.data_dir.glob("steep.sqlite3*"))
             result.notes.append(f"database {size / 1e6:.0f} MB")
         log(f"  {result.notes[-1] if database == 'postgres' else '; '.join(result.notes)}")
 
@@ -491,7 +458,9 @@ class Bench:
         log(f"  profile (collapsed stacks) -> {out.relative_to(ROOT)}")
 
     # --- LiteLLM
-    def litellm(self, workers: int) -> None:
+    @contextlib.contextmanager
+    def litellm_server(self, workers: int) -> Iterator[PeerServer]:
+        """LiteLLM's proxy in front of the stand-in, warmed up; stopped on exit."""
         venv = ensure_venv("litellm", LITELLM_SPEC)
         port = free_port()
         home = self.workdir / f"litellm-w{workers}"
@@ -544,20 +513,31 @@ class Bench:
             "--port", str(port), "--num_workers", str(workers), "--log_config", str(log_config),
         ]  # fmt: skip
         name = f"litellm-w{workers}"
-        proc = start(cmd, name=name, logdir=self.logs, env=env, cwd=home)
+        proc = self.processes.start(name, cmd, env=env, cwd=home)
         url = f"http://127.0.0.1:{port}/v1/chat/completions"
         headers = {"Authorization": f"Bearer {LITELLM_KEY}"}
         try:
-            wait_ready(proc, url, body=CHAT_BODY, headers=headers, what=name, timeout=180)
+            self.wait_ready(proc, url, body=CHAT_BODY, headers=headers, what=name, timeout=180)
             for _ in range(4 * workers):
                 http("POST", url, CHAT_BODY, headers, timeout=30)
-            lua = write_lua(self.workdir / f"{name}.lua", headers)
             label = f"LiteLLM proxy, {workers} worker{'s' if workers > 1 else ''}"
-            self.sweep(
-                label, "litellm", url, lua, workers=workers, version=pip_version(venv, "litellm")
-            )
+            yield PeerServer(name, label, f"http://127.0.0.1:{port}/v1", LITELLM_KEY, venv)
         finally:
-            stop(proc)
+            self.processes.stop(proc, timeout=10.0)
+
+    def litellm(self, workers: int) -> None:
+        with self.litellm_server(workers) as server:
+            lua = write_lua(
+                self.workdir / f"{server.name}.lua", {"Authorization": f"Bearer {server.key}"}
+            )
+            self.sweep(
+                server.label,
+                "litellm",
+                f"{server.base}/chat/completions",
+                lua,
+                workers=workers,
+                version=pip_version(server.venv, "litellm"),
+            )
 
     # --- sglang-router
     def sglang_router(self) -> None:
@@ -570,10 +550,10 @@ class Bench:
             "--port", str(port), "--worker-urls", self.standin_url, "--policy", "round_robin",
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom), "--log-level", "warn",
         ]  # fmt: skip
-        proc = start(cmd, name="sglang-router", logdir=self.logs, env=env)
+        proc = self.processes.start("sglang-router", cmd, env=env)
         url = f"http://127.0.0.1:{port}/v1/chat/completions"
         try:
-            wait_ready(proc, url, body=CHAT_BODY, what="sglang-router", timeout=60)
+            self.wait_ready(proc, url, body=CHAT_BODY, what="sglang-router", timeout=60)
             lua = write_lua(self.workdir / "sglang-router.lua", {})
             self.sweep(
                 "sglang-router, round_robin",
@@ -583,7 +563,91 @@ class Bench:
                 version=pip_version(venv, "sglang-router"),
             )
         finally:
-            stop(proc)
+            self.processes.stop(proc, timeout=10.0)
+
+    # --- the sessions workload (bench/sessions_load.py)
+    def agent_loop(self, label: str, kind: str, base: str, key: str, plan, counts=None, **extra):
+        """Measure each ``(workload, agents, turns)`` of ``plan`` against ``base``; with
+        ``counts`` (a function returning ``steep_counts``), the rows each cell wrote."""
+        last = counts() if counts else None
+        for workload, agents, turns in plan:
+            config = LoadConfig(
+                base=base,
+                key=key,
+                agents=agents,
+                turns=turns,
+                duration=self.args.duration,
+                warmup=self.args.warmup,
+                procs=self.args.client_procs,
+                sessions=workload == "episodes",
+            )
+            cell = SessionsCell(label, kind, workload, run_load(config), **extra)
+            if counts:
+                now = counts()
+                delta = {name: now[name] - last[name] for name in now}
+                last = now
+                cell.recorded = (
+                    {
+                        "start": delta["multi_sessions"],
+                        "turn": delta["multi_interactions"],
+                        "reward": delta["multi_rewarded"],
+                        "end": delta["multi_ended"],
+                    }
+                    if workload == "episodes"
+                    else {"turn": delta["one_turn_interactions"]}
+                )
+                if (
+                    workload == "completions"
+                    and delta["one_turn_sessions"] != delta["one_turn_interactions"]
+                ):
+                    cell.recorded["start"] = delta["one_turn_sessions"]  # shows as a difference
+            log(f"  {cell.line()}")
+            self.sessions.append(cell)
+
+    def plan(self, workload: str, *, baseline: bool = False) -> list[tuple[str, int, int]]:
+        """Every (agents, turns) cell; with ``baseline``, one-turn completions first at each N."""
+        cells = []
+        for agents in self.args.agents:
+            if baseline:
+                cells.append(("completions", agents, 1))
+            cells += [(workload, agents, k) for k in self.args.turns]
+        return cells
+
+    def direct_sessions(self) -> None:
+        self.agent_loop(
+            "client ceiling (stand-in)",
+            "direct",
+            f"{self.standin_url}/v1",
+            "standin",
+            self.plan("episodes"),
+        )
+
+    def steep_sessions(self, database: str, workers: int) -> None:
+        with self.steep_server(database, workers) as server:
+            self.agent_loop(
+                server.label,
+                "steep",
+                server.base,
+                server.key,
+                self.plan("episodes", baseline=True),
+                counts=lambda: self.steep_counts(server.env),
+                workers=workers,
+                database=database,
+            )
+
+    def litellm_sessions(self, workers: int) -> None:
+        with self.litellm_server(workers) as server:
+            version = pip_version(server.venv, "litellm")
+            label = f"{server.label} ({version})"
+            self.agent_loop(
+                label,
+                "litellm",
+                server.base,
+                server.key,
+                self.plan("turns"),
+                workers=workers,
+                version=version,
+            )
 
 
 # --- report ---------------------------------------------------------------------------------
@@ -700,22 +764,52 @@ def machine() -> dict:
 # --- main -----------------------------------------------------------------------------------
 
 
+WORKLOAD_DEFAULTS = {  # what an option left out means, by workload
+    "completions": dict(
+        duration=10,
+        warmup=3,
+        targets="direct,steep,litellm,sglang-router",
+        steep_workers="1,2",
+        litellm_workers="1,2",
+    ),
+    "sessions": dict(
+        duration=8, warmup=2, targets="direct,steep,litellm", steep_workers="1", litellm_workers="1"
+    ),
+}
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Steep gateway benchmark (issue #4).")
+    p = argparse.ArgumentParser(description="Steep gateway benchmark (issues #4 and #11).")
     p.add_argument(
-        "--duration", type=float, default=10, help="seconds measured per cell (default 10)"
+        "--workload",
+        choices=sorted(WORKLOAD_DEFAULTS),
+        default="completions",
+        help="completions: one-turn completions driven by wrk (default); sessions: agents "
+        "looping start_session, k turns, set_reward, end_session (bench/sessions_load.py)",
+    )
+    p.add_argument(
+        "--duration", type=float, help="seconds measured per cell (default 10; sessions 8)"
     )
     p.add_argument(
         "--warmup",
         type=float,
-        default=3,
-        help="seconds of unmeasured load before each cell (default 3)",
+        help="seconds of unmeasured load before each cell (default 3; sessions 2)",
     )
     p.add_argument("--conns", default="1,16,64", help="connection counts (default 1,16,64)")
     p.add_argument(
+        "--agents", default="1,64,200", help="sessions: agents at once (default 1,64,200)"
+    )
+    p.add_argument("--turns", default="1,3,10", help="sessions: turns per episode (default 1,3,10)")
+    p.add_argument(
+        "--client-procs",
+        type=int,
+        default=2,
+        help="sessions: client processes the agents are split over (default 2)",
+    )
+    p.add_argument(
         "--targets",
-        default="direct,steep,litellm,sglang-router",
-        help="comma list of direct, steep, litellm, sglang-router",
+        help="comma list of direct, steep, litellm, sglang-router (default all; sessions: "
+        "direct,steep,litellm, where direct is the client's ceiling against the stand-in)",
     )
     p.add_argument(
         "--database",
@@ -723,27 +817,32 @@ def parse_args(argv=None):
         help="Steep's database(s): sqlite, postgres or both",
     )
     p.add_argument(
-        "--steep-workers", default="1,2", help="uvicorn worker counts for Steep (default 1,2)"
+        "--steep-workers", help="uvicorn worker counts for Steep (default 1,2; sessions 1)"
     )
     p.add_argument(
-        "--litellm-workers", default="1,2", help="LiteLLM --num_workers values (default 1,2)"
+        "--litellm-workers", help="LiteLLM --num_workers values (default 1,2; sessions 1)"
     )
     p.add_argument("--postgres-url", default=os.environ.get("BENCH_POSTGRES_URL", PG_URL))
     p.add_argument("--redis-url", default=os.environ.get("BENCH_REDIS_URL", REDIS_URL))
     p.add_argument(
         "--profile",
         action="store_true",
-        help="also py-spy each Steep server under load (unmeasured)",
+        help="also py-spy each Steep server under load (unmeasured; completions only)",
     )
     p.add_argument(
         "--json", type=Path, help="also write the results here (always written to the run folder)"
     )
     args = p.parse_args(argv)
+    for name, value in WORKLOAD_DEFAULTS[args.workload].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
 
     def ints(text):
         return [int(x) for x in text.split(",") if x.strip()]
 
     args.conns = ints(args.conns)
+    args.agents = ints(args.agents)
+    args.turns = ints(args.turns)
     args.steep_workers = ints(args.steep_workers)
     args.litellm_workers = ints(args.litellm_workers)
     args.targets = [t.strip() for t in args.targets.split(",") if t.strip()]
@@ -751,14 +850,21 @@ def parse_args(argv=None):
     unknown = set(args.targets) - {"direct", "steep", "litellm", "sglang-router"}
     if unknown:
         p.error(f"unknown targets: {', '.join(sorted(unknown))}")
+    if args.workload == "sessions" and "sglang-router" in args.targets:
+        p.error(
+            "--workload sessions has no sglang-router target (it has no OpenAI chat state to compare)"
+        )
     if set(args.database) - {"sqlite", "postgres"}:
         p.error("--database takes sqlite, postgres or sqlite,postgres")
+    if min(args.agents + args.turns) < 1 or args.client_procs < 1:
+        p.error("--agents, --turns and --client-procs take numbers of at least 1")
     return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if shutil.which("wrk") is None:
+    sessions = args.workload == "sessions"
+    if not sessions and shutil.which("wrk") is None:
         print("wrk is not installed (apt-get install wrk).", file=sys.stderr)
         return 2
     if not STEEP_PYTHON.exists():
@@ -766,17 +872,19 @@ def main(argv=None) -> int:
         return 2
     started = time.monotonic()
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    workdir = RUNS / f"gateway-{stamp}"
+    workdir = RUNS / (f"gateway-sessions-{stamp}" if sessions else f"gateway-{stamp}")
     workdir.mkdir(parents=True, exist_ok=True)
-    atexit.register(stop_all)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     meta = machine()
     meta.update(
         date=dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         command="python bench/gateway.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        workload=args.workload,
         duration_s=args.duration,
         warmup_s=args.warmup,
     )
+    if sessions:
+        meta.update(agents=args.agents, turns=args.turns, client_procs=args.client_procs)
     log(f"run folder {workdir.relative_to(ROOT)}; load average {meta['loadavg_before']}")
 
     # install peers first, so the timed part runs back to back
@@ -786,20 +894,26 @@ def main(argv=None) -> int:
         ensure_venv("sglang-router", SGLANG_ROUTER_SPEC)
 
     bench = Bench(args, workdir)
+    atexit.register(bench.processes.stop)
     failures = []
     try:
         bench.start_standin()
         log(f"stand-in on {bench.standin_url}")
+        direct, steep, litellm = (
+            (bench.direct_sessions, bench.steep_sessions, bench.litellm_sessions)
+            if sessions
+            else (bench.direct, bench.steep, bench.litellm)
+        )
         plan = []
         if "direct" in args.targets:
-            plan.append(("direct", bench.direct, ()))
+            plan.append(("direct", direct, ()))
         if "steep" in args.targets:
             for database in args.database:
                 for w in args.steep_workers:
-                    plan.append((f"steep {database} w{w}", bench.steep, (database, w)))
+                    plan.append((f"steep {database} w{w}", steep, (database, w)))
         if "litellm" in args.targets:
             for w in args.litellm_workers:
-                plan.append((f"litellm w{w}", bench.litellm, (w,)))
+                plan.append((f"litellm w{w}", litellm, (w,)))
         if "sglang-router" in args.targets:
             plan.append(("sglang-router", bench.sglang_router, ()))
         for label, fn, fargs in plan:
@@ -810,20 +924,32 @@ def main(argv=None) -> int:
                 failures.append(f"{label}: {exc}")
                 log(f"  FAILED: {exc}")
     finally:
-        stop_all()
+        bench.processes.stop()
 
     meta["wall_s"] = round(time.monotonic() - started)
     meta["loadavg_after"] = os.getloadavg()
-    text = report(bench.results, args.conns, meta)
+    if sessions:
+        text = sessions_load.report(
+            bench.sessions,
+            verdict_agents=200 if 200 in args.agents else max(args.agents),
+            verdict_turns=3 if 3 in args.turns else args.turns[0],
+        )
+        client = f"aiohttp client in {args.client_procs} processes"
+    else:
+        text = report(bench.results, args.conns, meta)
+        client = meta["wrk"]
     header = (
-        f"Machine: {meta['cpus']} CPUs ({meta['cpu']}), Python {meta['python']}, {meta['wrk']}; "
+        f"Machine: {meta['cpus']} CPUs ({meta['cpu']}), Python {meta['python']}, {client}; "
         f"{meta['date']}; {args.duration:g} s per cell after {args.warmup:g} s warm-up; "
         f"wall time {meta['wall_s']} s; load average before {meta['loadavg_before'][0]:.2f}, after {meta['loadavg_after'][0]:.2f}."
     )
     print(header + "\n\n" + text)
     if failures:
         print("Failed targets:\n" + "\n".join(f"- {f}" for f in failures))
-    payload = {"meta": meta, "results": [asdict(r) for r in bench.results], "failures": failures}
+    results = (
+        [c.as_json() for c in bench.sessions] if sessions else [asdict(r) for r in bench.results]
+    )
+    payload = {"meta": meta, "results": results, "failures": failures}
     (workdir / "results.json").write_text(json.dumps(payload, indent=2))
     (workdir / "report.md").write_text(header + "\n\n" + text + "\n")
     if args.json:

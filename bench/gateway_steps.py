@@ -93,11 +93,11 @@ async def asgi_request(app, path: str, body: bytes, headers: list[tuple[bytes, b
 async def run_steps(n: int, agent_id: str, key: str, whole_only: bool = False) -> dict:
     from webapp.asgi import application
     from webapp.gateway import turns
+    from webapp.gateway.chat_request import parse_chat_request
     from webapp.gateway.completions import Reply, _completion, _respond, _tokenizer
     from webapp.gateway.inference import generate
     from webapp.gateway.lane import lane
     from webapp.gateway.prompts import build_prompt
-    from webapp.gateway.requests import parse_chat_request
 
     body = json.dumps(g.CHAT_BODY).encode()
     path = f"/agents/{agent_id}/v1/chat/completions"
@@ -205,7 +205,7 @@ def main(argv=None) -> int:
         except ImportError:
             samples = asyncio.run(run_steps(a.n, agent_id, key, a.whole_only))
     finally:
-        g.stop_all()
+        bench.processes.stop()
     width = max(len(k) for k in samples)
     print(f"Steep gateway steps, {a.database}, DEBUG={env['DEBUG']}, n={a.n} (ms per call)\n")
     print(f"| {'step'.ljust(width)} | wall mean | wall p50 | wall p90 | CPU mean |")

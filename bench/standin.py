@@ -6,9 +6,13 @@ proxies speak to an engine:
 - SGLang's native ``POST /generate`` (what Steep's gateway calls): ``output_ids``,
   ``text`` and ``meta_info`` with ``id``, ``finish_reason``, ``prompt_tokens``,
   ``completion_tokens``, ``output_token_logprobs`` (``[logprob, token_id, null]``
-  triples) and ``weight_version`` — the fields ``rl_core.inference.client._segment``
+  triples) and ``weight_version`` — the fields ``rl_core.inference.protocol.parse_segment``
   parses;
 - OpenAI's ``POST /v1/chat/completions`` (what LiteLLM and sglang-router forward);
+- canned answers to Steep's RL protocol, ``POST /v1/rl/start_session`` (201
+  ``{"session_id", "api_key"}``), ``/v1/rl/set_reward`` and ``/v1/rl/end_session`` (also
+  without ``/v1``), so that the sessions workload's agent loop can run against the
+  stand-in itself: the load generator's own ceiling (``bench/sessions_load.py``);
 - the probes sglang-router makes before it routes to a worker: ``GET /health``,
   ``/health_generate``, ``/server_info``, ``/get_server_info``, ``/model_info``,
   ``/get_model_info`` and ``/v1/models``.
@@ -37,7 +41,13 @@ OUTPUT_TEXT = "It is 4."
 LOGPROB = -0.125
 MODEL = "policy"
 
-_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed"}
+_REASONS = {
+    200: "OK",
+    201: "Created",
+    400: "Bad Request",
+    404: "Not Found",
+    405: "Method Not Allowed",
+}
 _counter = itertools.count(1)
 
 
@@ -88,6 +98,29 @@ def generate(body: dict, tokens: int) -> bytes:
         200,
         json.dumps({"text": text, "output_ids": ids, "meta_info": meta}).encode(),
     )
+
+
+def start_session() -> bytes:
+    n = next(_counter)
+    answer = {"session_id": f"standin-session-{n}", "api_key": f"sk-sess-standin-{n}"}
+    return _response(201, json.dumps(answer).encode())
+
+
+def set_reward(body: dict) -> bytes:
+    answer = {
+        "interaction_id": "chatcmpl-standin",
+        "session_id": "standin-session",
+        "reward": body.get("reward"),
+    }
+    return _response(200, json.dumps(answer).encode())
+
+
+_END_SESSION = _response(
+    200,
+    json.dumps(
+        {"session_id": "standin-session", "interaction_count": 1, "trajectory": "ready"}
+    ).encode(),
+)
 
 
 def chat_completion(body: dict, tokens: int) -> bytes:
@@ -246,6 +279,12 @@ class HTTPProtocol(asyncio.Protocol):
                 return generate(payload, self.tokens)
             if path in (b"/v1/chat/completions", b"/chat/completions"):
                 return chat_completion(payload, self.tokens)
+            if path in (b"/v1/rl/start_session", b"/rl/start_session"):
+                return start_session()
+            if path in (b"/v1/rl/set_reward", b"/rl/set_reward"):
+                return set_reward(payload)
+            if path in (b"/v1/rl/end_session", b"/rl/end_session"):
+                return _END_SESSION
             if path in (b"/flush_cache", b"/pause_generation", b"/continue_generation"):
                 return _response(200, b"{}")
             return _error(404, f"no route POST {path.decode(errors='replace')}")

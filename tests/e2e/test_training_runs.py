@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from rl_core.toy import TOY_SETTINGS, toy_rows
-from tests.e2e.conftest import wait_for
+from tests.livestack import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
