@@ -52,7 +52,7 @@ import sys
 import textwrap
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -441,9 +441,15 @@ class Bench:
 
     def profile(self, proc, url: str, lua: Path, name: str) -> None:
         """py-spy the server (all workers) under load at the largest connection count; not measured."""
+        self.spy(proc, name, lambda seconds: wrk(url, lua, max(self.args.conns), seconds))
+
+    def spy(self, proc, name: str, load: Callable[[float], object]) -> None:
+        """py-spy ``proc`` (all workers) while ``load(seconds)`` runs; not measured."""
         pyspy = ROOT / ".venv" / "bin" / "py-spy"
         if not pyspy.exists():
-            log("  (no .venv/bin/py-spy; skipping the profile)")
+            pyspy = Path(shutil.which("py-spy") or pyspy)
+        if not pyspy.exists():
+            log("  (no py-spy; skipping the profile)")
             return
         seconds = max(5, round(self.args.duration))
         out = self.workdir / f"profile-{name}.txt"
@@ -453,7 +459,7 @@ class Bench:
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
         time.sleep(1)
-        wrk(url, lua, max(self.args.conns), seconds)
+        load(seconds)
         spy.wait(60)
         log(f"  profile (collapsed stacks) -> {out.relative_to(ROOT)}")
 
@@ -634,6 +640,28 @@ class Bench:
                 workers=workers,
                 database=database,
             )
+            if self.args.profile:
+                for turns in sorted({min(self.args.turns), max(self.args.turns)}):
+                    self.spy(
+                        server.proc,
+                        f"{server.name}-episodes-k{turns}",
+                        lambda seconds, k=turns: self.unmeasured_load(server, k, seconds),
+                    )
+
+    def unmeasured_load(self, server: SteepServer, turns: int, seconds: float) -> None:
+        """The largest N's episodes at ``turns`` for ``seconds``, results discarded (profiling)."""
+        run_load(
+            LoadConfig(
+                base=server.base,
+                key=server.key,
+                agents=max(self.args.agents),
+                turns=turns,
+                duration=seconds,
+                warmup=0,
+                procs=self.args.client_procs,
+                sessions=True,
+            )
+        )
 
     def litellm_sessions(self, workers: int) -> None:
         with self.litellm_server(workers) as server:
@@ -827,7 +855,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--profile",
         action="store_true",
-        help="also py-spy each Steep server under load (unmeasured; completions only)",
+        help="also py-spy each Steep server under load (unmeasured; sessions: at the largest N, smallest and largest k)",
     )
     p.add_argument(
         "--json", type=Path, help="also write the results here (always written to the run folder)"

@@ -505,6 +505,20 @@ def verdicts(cells: list[SessionsCell], *, agents: int, turns: int) -> list[str]
             f"at k={longest.load.turns}, turns {_num(longest.load.rps('turn'))} req/s = "
             f"{longest.load.rps('turn') / one_turn:.0%}"
         )
+        single = find("steep", "episodes", database, k=1)
+        if single is not None and turns > 1 and single.load.rps() and c.load.rps():
+            # The server is saturated in both cells (the client's ceiling is several times
+            # higher), so an episode's server time is its request count over the mix's rate;
+            # what k - 1 more turns add to it is what a turn costs, start/reward/end excluded.
+            added = (turns + 3) / c.load.rps() - 4 / single.load.rps()
+            if added > 0:
+                marginal = (turns - 1) / added
+                out.append(
+                    f"- {c.target}, a turn's own cost (episode time at k={turns} minus k=1, per "
+                    f"added turn): {1000 / marginal:.2f} ms = {_num(marginal)} turns/s vs "
+                    f"{_num(one_turn)} one-turn completions/s = {marginal / one_turn:.0%} "
+                    f"(within 15%: {mark(marginal >= 0.85 * one_turn)})"
+                )
     ceiling = find("direct", "episodes")
     if ceiling:
         out.append(

@@ -14,12 +14,13 @@ import json
 import logging
 import re
 import time
-import uuid
 from contextvars import ContextVar
 from datetime import UTC, datetime
 
 from asgiref.sync import iscoroutinefunction
 from django.utils.decorators import sync_and_async_middleware
+
+from rl_core.ids import new_hex
 
 request_id_var: ContextVar[str] = ContextVar("request_id", default="-")
 request_logger = logging.getLogger("steep.request")
@@ -32,7 +33,7 @@ def request_id_for(incoming: str | None) -> str:
     """The caller's id if it is a short token of safe characters (it ends up in logs), else a new one."""
     if incoming and _SANE.fullmatch(incoming):
         return incoming
-    return uuid.uuid4().hex
+    return new_hex()
 
 
 class RequestIdFilter(logging.Filter):

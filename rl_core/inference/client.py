@@ -26,7 +26,6 @@ import asyncio
 import contextlib
 import json
 import time
-import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +33,7 @@ from typing import Any
 import httpx
 import orjson
 
+from rl_core.ids import new_hex
 from rl_core.inference.http1 import Http1Pool, HTTPConnectionError
 from rl_core.inference.protocol import (
     GenerateChunk,
@@ -89,7 +89,7 @@ class _Progress:
         params = dict(sampling_params or {})
         max_new = params.get("max_new_tokens")
         return cls(
-            rid=rid or uuid.uuid4().hex,
+            rid=rid or new_hex(),
             input_ids=[int(t) for t in input_ids],
             params=params,
             max_new_tokens=DEFAULT_MAX_NEW_TOKENS if max_new is None else int(max_new),

@@ -12,7 +12,6 @@ import asyncio
 import json
 import os
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -20,6 +19,7 @@ import orjson
 from django.conf import settings
 
 from rl_core.chat import ChatTemplateError, ChatTokenizer, load_chat_tokenizer, parse_tool_calls
+from rl_core.ids import new_hex
 from webapp.accounts.auth import bearer_token
 from webapp.gateway import turns
 from webapp.gateway.caches import CACHES
@@ -164,7 +164,7 @@ async def _generate_and_record(
         seed=chat.seed,
         top_logprobs=chat.top_logprobs,
     )
-    interaction_id = f"chatcmpl-{uuid.uuid4().hex}"
+    interaction_id = f"chatcmpl-{new_hex()}"
     response, outputs = _completion(
         chat, tok, run.base_model, interaction_id, prompt.input_ids, generation.results
     )

@@ -14,6 +14,7 @@ import uuid
 
 from django.utils import timezone
 
+from rl_core.ids import new_uuid
 from webapp.accounts.keys import hash_key
 from webapp.gateway import lifecycle, sql, turns
 from webapp.gateway.errors import GatewayError, bad_request
@@ -30,7 +31,7 @@ def start(*, token: str | None, agent_id, task_id: str, metadata: dict, new_key:
     session ends and its key moves onto the new one (the agent keeps its key across
     episodes); if the new one cannot be admitted, the old one stays open.
     """
-    session_id = uuid.uuid4()
+    session_id = new_uuid()
 
     def operation(cursor) -> dict:
         caller = turns.identify(cursor, token=token, agent_id=agent_id)

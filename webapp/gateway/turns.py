@@ -27,6 +27,7 @@ from typing import Any
 from django.conf import settings
 from django.utils import timezone
 
+from rl_core.ids import new_uuid
 from webapp import ratelimit
 from webapp.accounts.keys import SESSION_KEY_PREFIX, hash_key
 from webapp.accounts.models import APIKey
@@ -297,12 +298,12 @@ def begin(*, token: str | None, agent_id, fingerprint: str, is_retry: bool):
         if is_retry:
             replay = _recent_replay(cursor, caller.agent_id, fingerprint)
             if replay is not None:
-                return Turn(caller, run, uuid.uuid4(), False, "", replay=replay)
+                return Turn(caller, run, new_uuid(), False, "", replay=replay)
         if not lifecycle.admit(cursor, run_id=run.id, config=run.config):
             raise budget_full(cursor, run)
         # The one-turn session's row is written with its interaction (``record``); until
         # then only its admission slot exists (``discard`` gives it back).
-        return Turn(caller, run, uuid.uuid4(), True, "")
+        return Turn(caller, run, new_uuid(), True, "")
 
     return operation
 
