@@ -104,7 +104,8 @@
       xs = pairs.map((p) => p[0]);
       ys = pairs.map((p) => p[1]);
     }
-    return [xs, ys, ema(ys, view.smoothing)];
+    // An eval point is already an average over the eval set, and they are sparse: not smoothed.
+    return [xs, ys, ema(ys, name.startsWith(rules.evalPrefix) ? 0 : view.smoothing)];
   }
 
   function showValue(chart, idx) {  // the hovered point, or the latest one
