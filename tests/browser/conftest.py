@@ -9,6 +9,11 @@ import tempfile
 import pytest
 
 from tests.e2e.conftest import stack  # noqa: F401  (the live web + worker + Ray stack)
+from tests.web.conftest import (  # noqa: F401  (recorded sessions, written through the ORM)
+    chat_tokenizer,
+    make_session,
+    tokenizer_dir,
+)
 
 CHROMIUM = os.environ.get("STEEP_CHROMIUM", shutil.which("chromium") or "/usr/bin/chromium")
 

@@ -44,7 +44,11 @@ async def test_a_subscriber_receives_metric_events_as_steps_complete(project, ow
     )
     event = await communicator.receive_json_from(timeout=5)
     assert event["type"] == "metrics" and event["step"] == 2 and event["weight_version"] == 2
-    assert event["points"] == [{"step": 2, "name": "rollout/reward", "value": 0.7}]
+    stored = await sync_to_async(run.metrics.get)(step=2)
+    # "t" (when the point was stored, unix seconds) lets the dashboard chart over time.
+    assert event["points"] == [
+        {"step": 2, "name": "rollout/reward", "value": 0.7, "t": stored.created_at.timestamp()}
+    ]
     await communicator.disconnect()
 
 

@@ -137,3 +137,13 @@ def test_a_taken_project_name_is_an_inline_error(member_client, project):
 
 def test_login_page_renders(client):
     assert client.get(reverse("dashboard:login")).status_code == 200
+
+
+def test_favicon_is_served_for_every_page(client, member_client, objects):
+    response = client.get("/favicon.ico")
+    assert response.status_code == 301
+    icon = client.get(response["Location"])
+    assert icon.status_code == 200 and icon["Content-Type"] == "image/svg+xml"
+    assert b"<svg" in b"".join(icon.streaming_content)
+    html = member_client.get(PAGES["run"](objects)).content.decode()
+    assert f'<link rel="icon" href="{response["Location"]}" type="image/svg+xml">' in html

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import yaml
 
@@ -54,3 +56,12 @@ def test_docs_page_renders_without_auth(anon_api):
     assert response.status_code == 200
     assert response["Content-Type"].startswith("text/html")
     assert b"/api/v1/schema/" in response.content
+
+
+def test_docs_page_loads_swagger_ui_from_this_server_not_a_cdn(anon_api, client):
+    html = anon_api.get("/api/v1/docs/").content.decode()
+    assets = re.findall(r'(?:src|href)="([^"]+)"', html)
+    assert not [a for a in assets if a.startswith(("http:", "https:", "//"))], assets
+    bundle = next(a for a in assets if a.endswith("swagger-ui-bundle.js"))
+    assert bundle.startswith("/static/drf_spectacular_sidecar/")
+    assert client.get(bundle).status_code == 200

@@ -84,12 +84,16 @@ def page(client, url: str, **extra) -> str:
     return response.content.decode()
 
 
+GENERATED = re.compile(
+    r'<span class="tok v\d" data-version="(-?\d+)" data-id="(\d+)" data-lp="(-?[\d.]+)">(.*?)</span>',
+    re.S,
+)
+PROMPT = re.compile(r'<span class="tok prompt" data-id="(\d+)">(.*?)</span>', re.S)
+
+
 def token_spans(body: str) -> list[tuple[int, str]]:
     """(version, text) of every generated-token span in the page's answers."""
-    spans = re.findall(
-        r'<span class="tok v\d" data-version="(-?\d+)" title="[^"]*">(.*?)</span>', body, re.S
-    )
-    return [(int(version), html.unescape(text)) for version, text in spans]
+    return [(int(v), html.unescape(text)) for v, _, _, text in GENERATED.findall(body)]
 
 
 # --- the snippet ------------------------------------------------------------------------------
@@ -198,6 +202,42 @@ def test_session_page_shows_turns_with_version_coloured_tokens(member_client, wo
     classes = re.findall(r'<span class="tok (v\d)" data-version="(\d+)"', body)
     assert {c for c, v in classes if v == "3"} == {"v0"}
     assert {c for c, v in classes if v == "4"} == {"v1"}
+
+
+def test_session_page_tokens_carry_their_id_and_logprob_for_the_hover_card(member_client, world):
+    body = page(member_client, session_url(world.project, world.chat))
+    recorded = [
+        (token_id, logprob)
+        for interaction in world.chat.interactions.order_by("turn")
+        for token_id, logprob in zip(
+            interaction.outputs[0]["output_ids"], interaction.outputs[0]["logprobs"], strict=True
+        )
+    ]
+    shown = [(int(i), float(lp)) for _, i, lp, _ in GENERATED.findall(body)]
+    assert shown == recorded
+    assert body.count('class="tokens" tabindex="0"') >= 2  # reachable with the keyboard
+
+
+def test_session_page_shows_the_prompt_tokens_each_turn_added_apart_from_generated_ones(
+    member_client, world, chat_tokenizer
+):
+    body = page(member_client, session_url(world.project, world.chat))
+    first, second = world.chat.interactions.order_by("turn")
+    turn0 = body[body.index('id="turn-0"') : body.index('id="turn-1"')]
+    turn1 = body[body.index('id="turn-1"') :]
+    ids0 = [int(i) for i, _ in PROMPT.findall(turn0)]
+    assert ids0 == first.input_ids  # the first turn: its whole prompt
+    assert "Prompt tokens · 57 new<" in turn0 and len(first.input_ids) == 57
+    # The second turn's prompt extends the first turn's tokens and answer: only the rest is new.
+    before = first.input_ids + first.outputs[0]["output_ids"]
+    ids1 = [int(i) for i, _ in PROMPT.findall(turn1)]
+    assert ids1 == second.input_ids[len(before) :]
+    assert f"{len(ids1)} new of {len(second.input_ids)}" in turn1
+    text1 = "".join(html.unescape(t) for _, t in PROMPT.findall(turn1))
+    assert text1 == chat_tokenizer.decode(ids1, skip_special_tokens=False)
+    assert "And times 3?" in text1 and "What is 2 + 2?" not in text1
+    legend = body[body.index('id="version-legend"') : body.index("<article")]
+    assert '<span class="tok prompt">prompt</span>' in legend
 
 
 def test_session_page_shows_each_turns_new_messages_and_reward(member_client, world):

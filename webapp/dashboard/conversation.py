@@ -1,4 +1,9 @@
-"""A recorded session as the session page shows it: turns, new messages, version-coloured tokens."""
+"""A recorded session as the session page shows it: turns, new messages, version-coloured tokens.
+
+Generated tokens carry the policy version that produced them; the page colours each version
+from a colour-blind-safe palette (Okabe-Ito, classes ``.v0`` … ``.v7`` in steep.css). Prompt
+tokens (what the model read) are shown apart, uncoloured.
+"""
 
 from __future__ import annotations
 
@@ -24,6 +29,12 @@ class Token:
 
 
 @dataclass
+class PromptTokens:
+    tokens: list[tuple[int, str]]  # (id, text) of the tokens this turn added to the prompt
+    total: int  # the whole prompt's length
+
+
+@dataclass
 class Choice:
     index: int
     tokens: list[Token]
@@ -37,6 +48,7 @@ class Turn:
     messages: list[dict]  # what the agent added this turn, ready to print
     full_history: bool  # every message as sent (first turn, or the agent rewrote its history)
     answer: Choice
+    prompt: PromptTokens
     other_choices: list[Choice] = field(default_factory=list)
 
 
@@ -154,24 +166,35 @@ def _colours(interactions) -> dict[int, int]:
     return {v: i % PALETTE_SIZE for i, v in enumerate(session_versions(interactions))}
 
 
+def _prompt(input_ids: list[int], stream: list[int], decode) -> PromptTokens:
+    """The prompt tokens after ``stream`` (the previous turn's prompt and answer) when it is their
+    prefix, else the whole prompt (the first turn, or a history the agent rewrote)."""
+    new = input_ids[len(stream) :] if stream and input_ids[: len(stream)] == stream else input_ids
+    texts = decode(new) if decode else [str(i) for i in new]
+    return PromptTokens(list(zip(new, texts, strict=False)), len(input_ids))
+
+
 def conversation(interactions, *, decode: Callable[[list[int]], list[str]] | None) -> list[Turn]:
     colours = _colours(interactions)
-    turns, previous = [], None
+    turns, previous, stream = [], None, []
     for interaction in interactions:
         messages, full = new_messages(previous, interaction.messages or [])
         previous = interaction.messages
         outputs = interaction.outputs or [{}]
         chosen = interaction.chosen if interaction.chosen < len(outputs) else 0
         choices = [_choice(i, out, decode, colours) for i, out in enumerate(outputs)]
+        input_ids = list(interaction.input_ids or [])
         turns.append(
             Turn(
                 interaction=interaction,
                 messages=[_printable(m) for m in messages if isinstance(m, dict)],
                 full_history=full,
                 answer=choices[chosen],
+                prompt=_prompt(input_ids, stream, decode),
                 other_choices=[c for c in choices if c.index != chosen],
             )
         )
+        stream = input_ids + list(outputs[chosen].get("output_ids") or [])
     return turns
 
 

@@ -31,7 +31,7 @@ from webapp.accounts.services import (
 from webapp.agents.selectors import agent_get, agent_list
 from webapp.agents.services import AgentInvalid, agent_create
 from webapp.agents.snippets import openai_snippet
-from webapp.dashboard import conversation
+from webapp.dashboard import charts, conversation
 from webapp.dashboard.forms import AgentForm, DatasetForm, KeyForm, ProjectForm, RunForm, SignupForm
 from webapp.datasets.selectors import dataset_get, dataset_list
 from webapp.datasets.services import (
@@ -52,8 +52,8 @@ from webapp.gateway.selectors import (
 )
 from webapp.runs.selectors import (
     checkpoint_list,
-    metric_latest,
-    metric_names,
+    metric_points,
+    metric_step_times,
     run_event_list,
     run_get,
     run_list,
@@ -265,20 +265,29 @@ def run_new(request, project_id):
 def run_detail(request, project_id, run_id):
     project = _project(request, project_id)
     run = run_get(project=project, run_id=run_id)
-    names = metric_names(run=run)
-    latest = metric_latest(run=run)
+    max_steps = run.config.get("max_steps")
+    step_times = metric_step_times(run=run, last=charts.ETA_WINDOW + 1)
     context = {
         "project": project,
         "tab": "runs",
         "run": run,
         "events": run_event_list(run=run)[:30],
-        "metric_names": names,
-        "latest_metrics": [latest[n] for n in names if n in latest],
+        "progress": charts.progress(
+            step=run.step, max_steps=max_steps, status=run.status, step_times=step_times
+        ),
+    }
+    if _wants_fragment(request):  # the polled status line: no chart data
+        return render(request, "dashboard/_run_status.html", context)
+    data = charts.series(metric_points(run=run))
+    context |= {
+        "layout": charts.chart_layout(data["series"]),
+        "chart_data": data | {"config": charts.client_config(), "maxSteps": max_steps},
+        "latest_metrics": charts.latest_values(data),
         "checkpoints": checkpoint_list(run=run)[:20],
         "agents": agent_list(project=project, run_id=run.id),
         "sessions": session_list(project=project, run_id=run.id)[:10],
     }
-    return _render(request, "dashboard/run_detail.html", "dashboard/_run_status.html", context)
+    return render(request, "dashboard/run_detail.html", context)
 
 
 @login_required

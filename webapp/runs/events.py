@@ -28,7 +28,10 @@ def metrics_event(run, points) -> dict:
     return {
         "type": "metrics",
         "run_id": str(run.id),
-        "points": [{"step": p.step, "name": p.name, "value": p.value} for p in points],
+        "points": [
+            {"step": p.step, "name": p.name, "value": p.value, "t": p.created_at.timestamp()}
+            for p in points
+        ],
     }
 
 

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
-from django.db.models import QuerySet
+from datetime import datetime
+
+from django.db.models import Min, QuerySet
 from django.http import Http404
 
 from webapp.accounts.models import Project
@@ -35,20 +37,12 @@ def metric_list(
     return points.order_by("step", "name")
 
 
-def metric_latest(*, run: Run, window: int = 200) -> dict[str, MetricPoint]:
-    """The newest point of each metric among the run's last ``window`` points."""
-    latest: dict[str, MetricPoint] = {}
-    for point in MetricPoint.objects.filter(run=run).order_by("-step")[:window]:
-        latest.setdefault(point.name, point)
-    return latest
-
-
-def metric_names(*, run: Run) -> list[str]:
+def metric_points(*, run: Run) -> list[tuple[int, str, float, datetime]]:
+    """Every metric point of the run as ``(step, name, value, created_at)``, in step order."""
     return list(
         MetricPoint.objects.filter(run=run)
-        .values_list("name", flat=True)
-        .distinct()
-        .order_by("name")
+        .order_by("step", "name")
+        .values_list("step", "name", "value", "created_at")
     )
 
 
@@ -59,3 +53,14 @@ def checkpoint_list(*, run: Run) -> QuerySet[Checkpoint]:
 def run_event_list(*, run: Run) -> QuerySet[RunEvent]:
     """The run's events, newest first."""
     return RunEvent.objects.filter(run=run).order_by("-created_at", "-id")
+
+
+def metric_step_times(*, run: Run, last: int) -> list[tuple[int, float]]:
+    """When each of the run's last ``last`` steps was first reported: ``[(step, unix seconds)]``, oldest first."""
+    rows = (
+        MetricPoint.objects.filter(run=run)
+        .values("step")
+        .annotate(at=Min("created_at"))
+        .order_by("-step")[:last]
+    )
+    return sorted((row["step"], row["at"].timestamp()) for row in rows)
