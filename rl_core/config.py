@@ -61,6 +61,10 @@ class RunConfig:
     base_model: str = _f(
         "", "Local path or Hugging Face id of the causal LM to train.", required=True
     )
+    init_checkpoint: str = _f(
+        "",
+        "A checkpoint directory (another run's) whose weights the run starts from instead of base_model's; same architecture and tokenizer. Empty: base_model's weights.",
+    )
     reward: dict = _f(
         {},
         'Dataset mode reward, e.g. {"type": "exact_match"}, {"type": "regex", "pattern": "..."}, {"type": "math"}, {"type": "python", "path": "module:function"}.',
@@ -209,6 +213,11 @@ class RunConfig:
             bad(
                 "base_model",
                 "Set base_model to a local model directory or a Hugging Face model id.",
+            )
+        if self.init_checkpoint != self.init_checkpoint.strip():
+            bad(
+                "init_checkpoint",
+                "init_checkpoint is a directory path without surrounding spaces (or empty for base_model's weights).",
             )
         if self.mode == "dataset":
             if not self.reward:

@@ -28,6 +28,17 @@ Reward values are multiples of 3/32 for 8-character answers: exactly
 representable, so a group whose answers all score the same gets exactly zero
 advantage. This module imports nothing heavy: the web demo reads its rows and
 settings.
+
+**The demo task** (``DEMO_SETTINGS``, ``demo_rows``; what ``./steep up``'s dataset run
+trains) is harder: each prompt asks for "v" or "a" (``DEMO_LETTERS``), so the model must
+read the letter from the prompt. ``say_the_asked_letter_reward_fn`` gives the same credit
+for the asked letter and takes 0.1 × the share of the *other* demo letter: without that
+penalty the policy collapses onto whichever letter it found first and stays at half the
+reward (measured). The reward curve has two phases: from ~0 to ~0.35 as the model learns
+to answer with one of the letters, then up to ~0.7 as it learns which. A learning rate of
+3e-4 (ten times lower than the toy's) keeps sampling diverse long enough for the second
+phase; at 1e-3 the policy often collapsed onto one letter before it could tell them apart.
+On 2 CPU cores it takes four or five minutes (docs/benchmarks.md, "The demo ./steep up shows").
 """
 
 from __future__ import annotations
@@ -82,3 +93,59 @@ def say_letter_reward_fn(
     if not text:
         return 0.0
     return 0.75 * sum(ch == answer for ch in text) / len(text)
+
+
+# --------------------------------------------------------------------------- the demo task
+
+DEMO_LETTERS = "va"  # the two letters the untrained model samples most often (with "O")
+DEMO_WRONG_LETTER_PENALTY = 0.1
+
+DEMO_REWARD: dict[str, Any] = {
+    "type": "python",
+    "path": "rl_core.toy:say_the_asked_letter_reward_fn",
+}
+
+# ./steep up's dataset run: rises over a few minutes on 2 CPU cores (the module docstring).
+DEMO_SETTINGS: dict[str, Any] = {
+    "reward": DEMO_REWARD,
+    "batch_size": 64,
+    "group_size": 8,
+    "max_new_tokens": 8,
+    "temperature": 1.0,
+    "learning_rate": 3e-4,
+    "max_staleness": 1,
+    "max_steps": 300,
+    "save_every": 40,
+}
+
+# ./steep up's online run: trained by whatever agents send (the built-in demo agent plays
+# the toy task), batch by batch; it stays running (max_steps is out of reach).
+ONLINE_DEMO_SETTINGS: dict[str, Any] = {
+    "batch_size": 8,
+    "max_staleness": 2,
+    "learning_rate": 1e-3,
+    "max_steps": 1_000_000,
+    "save_every": 100,
+}
+
+
+def demo_rows(n: int = 512, seed: int = 0) -> list[dict[str, Any]]:
+    """``n`` rows asking for one of ``DEMO_LETTERS`` (drawn with ``seed``), in a random phrasing."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        letter = rng.choice(DEMO_LETTERS)
+        rows.append({"prompt": rng.choice(PHRASINGS).format(letter=letter), "answer": letter})
+    return rows
+
+
+def say_the_asked_letter_reward_fn(
+    prompt: str, completion: str, answer: Any, metadata: dict | None = None
+) -> float:
+    """``say_letter_reward_fn`` minus 0.1 × the share of characters that are another demo letter."""
+    reward = say_letter_reward_fn(prompt, completion, answer, metadata)
+    text = completion.strip()
+    if reward == 1.0 or not text:
+        return reward
+    wrong = sum(ch in DEMO_LETTERS and ch != answer for ch in text) / len(text)
+    return reward - DEMO_WRONG_LETTER_PENALTY * wrong

@@ -127,12 +127,15 @@ class PPOTrainer:
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
         self.device = torch.device(device) if device is not None else _default_device()
-        self.model_path = str(model_path or cfg.base_model)
+        # Weights (and tokenizer) from another run's checkpoint when the config says so.
+        self.model_path = str(model_path or cfg.init_checkpoint or cfg.base_model)
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        self.save_dtype = _config_dtype(self.model_path)  # what inference servers get
+        # What inference servers get: the base model's dtype, also when starting from a
+        # (float32) checkpoint of another run.
+        self.save_dtype = _config_dtype(cfg.base_model if cfg.init_checkpoint else self.model_path)
         self.model = load_causal_lm(self.model_path, torch.float32, self.device)
         self.model.train()
         self.autocast_dtype = torch.bfloat16 if self.device.type == "cuda" else None

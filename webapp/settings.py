@@ -194,6 +194,11 @@ RUN_MAX_RESTARTS = envint("RUN_MAX_RESTARTS", 3, minimum=0)
 # torch threads per inference server / trainer process in a run's job.
 STEEP_TORCH_THREADS = envint("STEEP_TORCH_THREADS", 1, minimum=1)
 
+# The demo `./steep up` sets up: its model (offered first as a run's base_model) and the
+# demo agent that keeps its online run busy (webapp.runs.demo_agent).
+STEEP_DEMO_MODEL = envstr("STEEP_DEMO_MODEL", "") or str(DATA_DIR / "models" / "tiny-chat")
+STEEP_DEMO_AGENT = envbool("STEEP_DEMO_AGENT", True)
+
 REDIS_URL = envsecret("REDIS_URL")
 if REDIS_URL:
     CHANNEL_LAYERS = {
@@ -230,6 +235,13 @@ CELERY_BEAT_SCHEDULE = {
     "expire-idle-sessions": {"task": "sessions.expire_idle", "schedule": 60.0},
     "reconcile-runs": {"task": "runs.reconcile", "schedule": 15.0},
 }
+if STEEP_DEMO_AGENT:
+    # A bounded batch of episodes per tick; a tick that finds another still playing returns.
+    CELERY_BEAT_SCHEDULE["demo-agent"] = {
+        "task": "runs.demo_agent",
+        "schedule": 15.0,
+        "options": {"expires": 15.0},
+    }
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [

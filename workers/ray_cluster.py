@@ -8,6 +8,7 @@ every client of it (this module, the job) uses it; for an external cluster set
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -106,6 +107,16 @@ def ensure_cluster(
         return RayCluster(dashboard_url=url, local=False)
 
     configure_local_auth(data_dir)
+    # One starter at a time: two runs launched together (./steep up's demo runs) would
+    # otherwise both start a head, and one of them fails.
+    with open(_ray_dir(data_dir) / "start.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _ensure_local_head(data_dir, num_cpus, dashboard_port, gcs_port)
+
+
+def _ensure_local_head(
+    data_dir: Path, num_cpus: int | None, dashboard_port: int, gcs_port: int
+) -> RayCluster:
     state = _ray_dir(data_dir) / "head.json"
     if state.exists():
         url = json.loads(state.read_text())["dashboard_url"]

@@ -6,7 +6,8 @@ goes through the web app's internal API (``workers.job_api``).
 
 Phases: fetch config → release trajectories a previous attempt claimed → start
 the inference replicas (Ray actors) and register them (the run turns running) →
-trainer (resuming from the last checkpoint) → in dataset mode, the rollout
+trainer (resuming from the run's last checkpoint, else starting from ``init_checkpoint``
+when set: its weights are pushed to the replicas first) → in dataset mode, the rollout
 driver → the training loop until max_steps or a stop request → final checkpoint
 and status → replicas down.
 """
@@ -89,7 +90,8 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
         ]
         urls = [await replica.url.remote() for replica in replicas]
 
-        trainer = await asyncio.to_thread(PPOTrainer, config, model_path=config.base_model)
+        # The trainer starts from config.init_checkpoint's weights when set, else base_model's.
+        trainer = await asyncio.to_thread(PPOTrainer, config)
         controller = StalenessController(
             config.max_staleness,
             config.batch_size,
@@ -98,16 +100,24 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
         )
         reporter = WebReporter(api)
         source = WebSource(api)
+        weight_sync = WeightSync(urls, data_dir / "weights")
         loop = TrainingLoop(
             config,
             trainer,
             source,
-            WeightSync(urls, data_dir / "weights"),
+            weight_sync,
             reporter,
             controller,
             checkpoint_dir=data_dir / "checkpoints",
         )
         await loop.prepare()  # resume from the last checkpoint and push its weights before serving
+        if config.init_checkpoint and loop.step == 0:
+            # The servers started from base_model; before serving, they take the weights the
+            # trainer started from (another run's checkpoint), in base_model's dtype.
+            await weight_sync.push(trainer)
+            await reporter.event(
+                "init", f"Started from the weights of checkpoint {config.init_checkpoint}."
+            )
         for url in urls:
             await api.register_server(url, backend)
 

@@ -113,3 +113,33 @@ def test_builtin_errors_are_recorded_too():
         score(exact_match_reward_fn, "q", "a", None)[1]
         == "ValueError: exact_match needs an 'answer' in every dataset row"
     )
+
+
+@pytest.mark.parametrize(
+    ("completion", "answer", "expected"),
+    [
+        ("a", "a", 1.0),
+        (" v\n", "v", 1.0),
+        ("aaaaaaaa", "a", 0.75),
+        ("vvvvvvvv", "a", -0.1),  # the other demo letter costs
+        ("aaaavvvv", "a", 0.375 - 0.05),
+        ("xyzzyxzy", "v", 0.0),
+        ("", "v", 0.0),
+    ],
+)
+def test_the_demo_task_rewards_the_asked_letter_and_penalises_the_other(
+    completion, answer, expected
+):
+    from rl_core.toy import say_the_asked_letter_reward_fn
+
+    assert say_the_asked_letter_reward_fn("Say it.", completion, answer) == pytest.approx(expected)
+
+
+def test_the_demo_rows_ask_for_both_letters_in_every_phrasing():
+    from rl_core.toy import DEMO_LETTERS, PHRASINGS, demo_rows
+
+    rows = demo_rows(512, seed=0)
+    assert rows == demo_rows(512, seed=0)  # seeded
+    assert {row["answer"] for row in rows} == set(DEMO_LETTERS)
+    for row in rows:
+        assert row["prompt"] in {p.format(letter=row["answer"]) for p in PHRASINGS}

@@ -198,6 +198,26 @@ def test_checkpoint_round_trip_resumes_identically(model_path, tmp_path):
         assert torch.equal(a, b), k
 
 
+def test_a_new_run_starts_from_another_runs_checkpoint_with_fresh_optimizer_state(
+    model_path, tmp_path
+):
+    first = PPOTrainer(_cfg(model_path))
+    first.train_step(_batch(first, seed=1))
+    first.save_checkpoint(tmp_path / "ckpt")  # float32, with optimizer state and version 1
+
+    clone = PPOTrainer(_cfg(model_path, init_checkpoint=str(tmp_path / "ckpt")))
+    assert clone.version == 0  # a new run: its own versions and steps
+    assert not clone.optimizer.state
+    for (k, a), b in zip(_params(first).items(), _params(clone).values(), strict=True):
+        assert torch.equal(a, b), k
+    assert clone.save_dtype == PPOTrainer(_cfg(model_path)).save_dtype  # the base model's
+    clone.train_step(_batch(clone, seed=2))
+    assert any(
+        not torch.equal(a, b)
+        for a, b in zip(_params(first).values(), _params(clone).values(), strict=True)
+    )
+
+
 def test_saved_weights_load_with_from_pretrained(model_path, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -29,6 +29,7 @@ DETAIL_REQUESTS = [
     ("runs/<str:run_id>/", "delete", "run", 204),
     ("runs/<str:run_id>/start/", "post", "run", 202),
     ("runs/<str:run_id>/stop/", "post", "queued_run", 202),
+    ("runs/<str:run_id>/clone/", "post", "run", 201),
     ("runs/<str:run_id>/metrics/", "get", "run", 200),
     ("runs/<str:run_id>/checkpoints/", "get", "run", 200),
     ("runs/<str:run_id>/trajectories.jsonl", "get", "run", 200),

@@ -35,6 +35,8 @@ def dataset(project, make_dataset):
         ({"name": "r1", "mode": "online"}, "base_model", "required"),
         (ONLINE | {"base_model": "   "}, "base_model", "base_model"),
         (ONLINE | {"base_model": None}, "base_model", "null"),
+        (ONLINE | {"init_checkpoint": 7}, "init_checkpoint", "string"),
+        (ONLINE | {"init_checkpoint": " /c/step_20"}, "init_checkpoint", "surrounding spaces"),
         (DATASET | {"reward": {"type": "exact_match"}}, "dataset", "Dataset mode needs a dataset"),
         (DATASET, "reward", "needs a reward"),
         (ONLINE | {"reward": "exact_match"}, "reward", "JSON object"),

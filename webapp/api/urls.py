@@ -26,10 +26,12 @@ urlpatterns = [
     path("keys/<str:key_id>/revoke/", accounts.KeyRevokeApi.as_view(), name="key-revoke"),
     path("datasets/", datasets.DatasetListApi.as_view(), name="datasets"),
     path("datasets/<str:dataset_id>/", datasets.DatasetDetailApi.as_view(), name="dataset"),
+    path("models/", runs.KnownModelsApi.as_view(), name="models"),
     path("runs/", runs.RunListApi.as_view(), name="runs"),
     path("runs/<str:run_id>/", runs.RunDetailApi.as_view(), name="run"),
     path("runs/<str:run_id>/start/", runs.RunStartApi.as_view(), name="run-start"),
     path("runs/<str:run_id>/stop/", runs.RunStopApi.as_view(), name="run-stop"),
+    path("runs/<str:run_id>/clone/", runs.RunCloneApi.as_view(), name="run-clone"),
     path("runs/<str:run_id>/metrics/", runs.RunMetricsApi.as_view(), name="run-metrics"),
     path(
         "runs/<str:run_id>/checkpoints/", runs.RunCheckpointsApi.as_view(), name="run-checkpoints"

@@ -6,6 +6,7 @@ import json
 from django import forms
 from django.contrib.auth import get_user_model
 from django.contrib.auth.forms import UserCreationForm
+from django.utils.html import format_html, format_html_join
 
 from rl_core.config import ConfigError, RunConfig
 
@@ -68,13 +69,30 @@ def _form_field(spec) -> forms.Field:
     return forms.CharField(required=required, initial=default, help_text=help_text)
 
 
+class DatalistInput(forms.TextInput):
+    """A text input offering ``options`` (an HTML datalist): pick one or type another."""
+
+    def __init__(self, options: list[str], list_id: str, attrs=None):
+        super().__init__({**(attrs or {}), "list": list_id})
+        self.options, self.list_id = options, list_id
+
+    def render(self, name, value, attrs=None, renderer=None):
+        items = format_html_join("", '<option value="{}"></option>', ((o,) for o in self.options))
+        datalist = format_html('<datalist id="{}">{}</datalist>', self.list_id, items)
+        return super().render(name, value, attrs, renderer) + datalist
+
+
 class RunForm(forms.Form):
-    """Built from RunConfig's fields; ``clean`` hands the values to RunConfig.from_dict, the one validator."""
+    """Built from RunConfig's fields; ``clean`` hands the values to RunConfig.from_dict, the one validator.
+
+    ``models``: the base models to offer (``webapp.runs.selectors.known_models``); the
+    project's newest, else the first (the demo model), is filled in.
+    """
 
     name = forms.CharField(max_length=200)
     dataset = forms.ChoiceField(required=False, help_text="Required in dataset mode.")
 
-    def __init__(self, *args, datasets=(), **kwargs):
+    def __init__(self, *args, datasets=(), models=(), **kwargs):
         super().__init__(*args, **kwargs)
         self.fields["dataset"].choices = [("", "— none —")] + [
             (str(d.id), f"{d.name} ({d.row_count} rows)") for d in datasets
@@ -82,6 +100,13 @@ class RunForm(forms.Form):
         for spec in RunConfig.field_specs():
             self.fields[spec.name] = _form_field(spec)
         self.fields["reward"].initial = '{"type": "exact_match"}'
+        names = [m.name for m in models]
+        preferred = [m.name for m in models if m.source == "project"] or names
+        base_model = self.fields["base_model"]
+        base_model.widget = DatalistInput(names, "known-models")
+        base_model.initial = preferred[0] if preferred else ""
+        if names:
+            base_model.help_text += " Pick one this instance knows, or type another."
 
     def config_fields(self):
         names = {spec.name for spec in RunConfig.field_specs()}

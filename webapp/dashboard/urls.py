@@ -15,6 +15,7 @@ urlpatterns = [
     path("projects/<str:project_id>/runs/", views.runs, name="runs"),
     path("projects/<str:project_id>/runs/new/", views.run_new, name="run-new"),
     path("projects/<str:project_id>/runs/<str:run_id>/", views.run_detail, name="run"),
+    path("projects/<str:project_id>/runs/<str:run_id>/again/", views.run_again, name="run-again"),
     path(
         "projects/<str:project_id>/runs/<str:run_id>/<str:action>/",
         views.run_action,

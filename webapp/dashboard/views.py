@@ -51,14 +51,23 @@ from webapp.gateway.selectors import (
     session_list,
 )
 from webapp.runs.selectors import (
+    checkpoint_for_step,
     checkpoint_list,
+    known_models,
     metric_points,
     metric_step_times,
     run_event_list,
     run_get,
     run_list,
 )
-from webapp.runs.services import IllegalTransition, RunInvalid, run_create, run_start, run_stop
+from webapp.runs.services import (
+    IllegalTransition,
+    RunInvalid,
+    run_clone,
+    run_create,
+    run_start,
+    run_stop,
+)
 
 
 def _render(request, template: str, fragment: str | None, context: dict, status: int = 200):
@@ -238,7 +247,9 @@ def runs(request, project_id):
 def run_new(request, project_id):
     project = _project(request, project_id)
     project_datasets = dataset_list(project=project)
-    form = RunForm(request.POST or None, datasets=project_datasets)
+    form = RunForm(
+        request.POST or None, datasets=project_datasets, models=known_models(project=project)
+    )
     if request.method == "POST" and form.is_valid():
         dataset = None
         if form.cleaned_data.get("dataset"):
@@ -288,6 +299,29 @@ def run_detail(request, project_id, run_id):
         "sessions": session_list(project=project, run_id=run.id)[:10],
     }
     return render(request, "dashboard/run_detail.html", context)
+
+
+@login_required
+@require_POST
+def run_again(request, project_id, run_id):
+    """ "Run again": a draft copy of the run (its settings and dataset), optionally starting
+    from one of its checkpoints (``from_checkpoint``: its step), then the copy's page."""
+    project = _project(request, project_id)
+    run = run_get(project=project, run_id=run_id)
+    checkpoint = None
+    step = request.POST.get("from_checkpoint", "")
+    if step:
+        checkpoint = checkpoint_for_step(run=run, step=int(step)) if step.isdigit() else None
+        if checkpoint is None:
+            messages.error(request, f"Run '{run.name}' has no checkpoint at step {step}.")
+            return redirect("dashboard:run", project_id=project.id, run_id=run.id)
+    try:
+        clone = run_clone(run=run, checkpoint=checkpoint)
+    except RunInvalid as exc:
+        messages.error(request, f"Could not copy the run: {exc}")
+        return redirect("dashboard:run", project_id=project.id, run_id=run.id)
+    messages.success(request, f"Copied '{run.name}' as a draft: check its settings, then start it.")
+    return redirect("dashboard:run", project_id=project.id, run_id=clone.id)
 
 
 @login_required

@@ -12,7 +12,9 @@ from webapp.api.views import ProjectAPIView
 from webapp.datasets.selectors import dataset_get
 from webapp.runs.models import Run
 from webapp.runs.selectors import (
+    checkpoint_for_step,
     checkpoint_list,
+    known_models,
     metric_list,
     run_event_list,
     run_get,
@@ -21,6 +23,7 @@ from webapp.runs.selectors import (
 from webapp.runs.services import (
     IllegalTransition,
     RunInvalid,
+    run_clone,
     run_create,
     run_delete,
     run_start,
@@ -47,6 +50,10 @@ class RunCreateInput(serializers.Serializer):
     def get_fields(self):
         fields = super().get_fields()
         fields.update({spec.name: _config_field(spec) for spec in RunConfig.field_specs()})
+        fields["base_model"].help_text += (
+            " GET /api/v1/models/ lists the models this instance knows (the demo model,"
+            " the project's, those in DATA_DIR/models)."
+        )
         return fields
 
     def validate(self, attrs):
@@ -174,6 +181,72 @@ class RunStopApi(ProjectAPIView):
         return Response(RunDetailOutput(run).data, status=status.HTTP_202_ACCEPTED)
 
 
+class RunCloneInput(serializers.Serializer):
+    name = serializers.CharField(
+        max_length=200, required=False, help_text="Default: the source's name + ' (again)'."
+    )
+    from_checkpoint = serializers.IntegerField(
+        required=False,
+        min_value=0,
+        help_text="Start from the weights of the source's checkpoint saved at this step "
+        "(see its checkpoints/); default: from where the source started.",
+    )
+    config = serializers.DictField(
+        required=False,
+        help_text='Settings that replace the source\'s, e.g. {"max_steps": 200}; '
+        "validated like a new run's.",
+    )
+
+    def validate(self, attrs):
+        unknown = sorted(set(self.initial_data) - set(self.fields))
+        if unknown:
+            raise serializers.ValidationError({key: [f"Unknown field '{key}'."] for key in unknown})
+        return attrs
+
+
+class RunCloneApi(ProjectAPIView):
+    @extend_schema(
+        request=RunCloneInput,
+        responses={201: RunDetailOutput},
+        summary="Run again: a new draft with this run's dataset and settings",
+        description="Any run can be cloned, whatever its status; the source is left as it is. "
+        "With from_checkpoint the new run starts from that checkpoint's weights "
+        "(its init_checkpoint setting); start it with runs/{id}/start/.",
+    )
+    def post(self, request, run_id):
+        run = run_get(project=self.project, run_id=run_id)
+        data = RunCloneInput(data=request.data if request.data else {})
+        data.is_valid(raise_exception=True)
+        checkpoint = None
+        step = data.validated_data.get("from_checkpoint")
+        if step is not None:
+            checkpoint = checkpoint_for_step(run=run, step=step)
+            if checkpoint is None:
+                steps = [c.step for c in checkpoint_list(run=run)]
+                have = (
+                    f"its checkpoints are at steps {', '.join(map(str, sorted(steps)))}"
+                    if steps
+                    else "it has none"
+                )
+                raise serializers.ValidationError(
+                    {
+                        "from_checkpoint": [
+                            f"Run '{run.name}' has no checkpoint at step {step}; {have}."
+                        ]
+                    }
+                )
+        try:
+            clone = run_clone(
+                run=run,
+                name=data.validated_data.get("name"),
+                checkpoint=checkpoint,
+                overrides=data.validated_data.get("config"),
+            )
+        except RunInvalid as exc:
+            raise serializers.ValidationError(exc.errors) from None
+        return Response(RunDetailOutput(clone).data, status=status.HTTP_201_CREATED)
+
+
 class MetricOutput(serializers.Serializer):
     step = serializers.IntegerField()
     name = serializers.CharField()
@@ -221,3 +294,21 @@ class RunCheckpointsApi(ProjectAPIView):
     def get(self, request, run_id):
         run = run_get(project=self.project, run_id=run_id)
         return self.paginate(checkpoint_list(run=run), CheckpointOutput)
+
+
+class KnownModelOutput(serializers.Serializer):
+    name = serializers.CharField(help_text="The value to pass as a run's base_model.")
+    source = serializers.ChoiceField(
+        choices=["demo", "project", "models_dir"],
+        help_text="demo: the demo model; project: a run of this project uses it; "
+        "models_dir: a model directory in DATA_DIR/models.",
+    )
+
+
+class KnownModelsApi(ProjectAPIView):
+    @extend_schema(
+        responses=KnownModelOutput(many=True),
+        summary="Models to train: candidates for a run's base_model",
+    )
+    def get(self, request):
+        return Response(KnownModelOutput(known_models(project=self.project), many=True).data)

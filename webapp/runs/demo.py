@@ -1,4 +1,15 @@
-"""The demo that ``./steep up`` sets up: a user, a project, a key, a dataset, a run and an agent."""
+"""The demo that ``./steep up`` sets up, so that the README's walkthrough works as printed.
+
+In the ``demo`` project: an admin user, a fresh API key (printed, and written with the
+URLs the walkthrough needs to ``DATA_DIR/demo.env``), and two runs on the demo model:
+
+* a dataset run that learns the demo task of ``rl_core.toy`` (reading which letter a
+  prompt asks for) visibly over a few minutes;
+* an online run that stays running, with the ``demo agent`` bound to it. The built-in demo
+  agent (``webapp.runs.demo_agent``) plays episodes on it through the gateway, with a key
+  of its own (``DATA_DIR/demo-agent.key``), so its charts move; the walkthrough's agent
+  joins it.
+"""
 
 from __future__ import annotations
 
@@ -11,20 +22,28 @@ from pathlib import Path
 from django.conf import settings
 
 from rl_core.config import RunConfig
-from rl_core.toy import TOY_SETTINGS, toy_rows
-from webapp.accounts.models import APIKey
-from webapp.accounts.services import api_key_create, bootstrap_project, user_get_or_create
+from rl_core.toy import DEMO_SETTINGS, ONLINE_DEMO_SETTINGS, demo_rows
+from webapp.accounts.models import APIKey, Project
+from webapp.accounts.services import (
+    api_key_authenticate,
+    api_key_create,
+    bootstrap_project,
+    user_get_or_create,
+)
 from webapp.agents.models import Agent
-from webapp.agents.services import agent_create
+from webapp.agents.services import agent_bind_run, agent_create
 from webapp.datasets.models import Dataset
 from webapp.datasets.services import dataset_create
 from webapp.runs.models import Run
-from webapp.runs.services import run_create, run_start
+from webapp.runs.services import TRANSITIONS, run_clone, run_create, run_start
 
 DEMO_PROJECT = "demo"
 DEMO_KEY_NAME = "steep up demo key"
-DEMO_DATASET = "say-a-letter"
+DEMO_AGENT_KEY_NAME = "built-in demo agent"
+DEMO_DATASET = "say-the-letter"
 DEMO_RUN = "demo: learn to say the letter asked for"
+DEMO_ONLINE_RUN = "demo: online run (agents welcome)"
+DEMO_AGENT = "demo agent"
 
 
 @dataclass
@@ -33,18 +52,78 @@ class Demo:
     password: str | None
     project_id: str
     api_key: str
-    run_id: str
-    agent_base_url: str
+    run_id: str  # the dataset run
+    online_run_id: str
+    agent_base_url: str  # the demo agent's, bound to the online run
+    env_file: Path  # the walkthrough's variables
+
+
+def _private_file(name: str) -> Path:
+    return Path(settings.DATA_DIR) / name
+
+
+def _write_private(path: Path, text: str) -> None:
+    path.write_text(text)
+    path.chmod(0o600)
 
 
 def _admin_password() -> tuple[str, bool]:
-    path = Path(settings.DATA_DIR) / "admin-password.txt"
+    path = _private_file("admin-password.txt")
     if path.exists():
         return path.read_text().strip(), False
     password = secrets.token_urlsafe(12)
-    path.write_text(password + "\n")
-    path.chmod(0o600)
+    _write_private(path, password + "\n")
     return password, True
+
+
+def _startable(run: Run) -> bool:
+    return Run.Status.QUEUED in TRANSITIONS.get(run.status, set())
+
+
+def _dataset(project: Project, user) -> Dataset:
+    dataset = Dataset.objects.filter(project=project, name=DEMO_DATASET).first()
+    if dataset is None:
+        body = "".join(json.dumps(row) + "\n" for row in demo_rows(512)).encode()
+        dataset = dataset_create(
+            project=project, name=DEMO_DATASET, file=io.BytesIO(body), user=user
+        )
+    return dataset
+
+
+def _dataset_run(project: Project, model: str, dataset: Dataset) -> Run:
+    run = Run.objects.filter(project=project, name=DEMO_RUN).first()
+    if run is None:
+        config = RunConfig.from_dict({"mode": "dataset", "base_model": model, **DEMO_SETTINGS})
+        run = run_create(project=project, name=DEMO_RUN, config=config, dataset=dataset)
+    return run
+
+
+def _online_run(project: Project, model: str) -> Run:
+    """The newest online demo run; a new one when it has completed (completed is final)."""
+    run = Run.objects.filter(project=project, name=DEMO_ONLINE_RUN).order_by("-created_at").first()
+    if run is None:
+        config = RunConfig.from_dict(
+            {"mode": "online", "base_model": model, **ONLINE_DEMO_SETTINGS}
+        )
+        run = run_create(project=project, name=DEMO_ONLINE_RUN, config=config)
+    elif run.status == Run.Status.COMPLETED:
+        run = run_clone(run=run, name=DEMO_ONLINE_RUN)
+    return run
+
+
+def _demo_agent_key(project: Project, user) -> None:
+    """The built-in demo agent's own key, kept across restarts while it still works."""
+    path = _private_file("demo-agent.key")
+    if path.exists():
+        key = api_key_authenticate(plaintext=path.read_text().strip())
+        if key is not None and key.project_id == project.id:
+            return
+    for old in APIKey.objects.filter(
+        project=project, name=DEMO_AGENT_KEY_NAME, revoked_at__isnull=True
+    ):
+        old.revoke()
+    _, plaintext = api_key_create(project=project, name=DEMO_AGENT_KEY_NAME, user=user)
+    _write_private(path, plaintext + "\n")
 
 
 def demo_bootstrap(
@@ -52,8 +131,8 @@ def demo_bootstrap(
 ) -> Demo:
     """Idempotent: creates what is missing; rotates the demo key so it can be printed.
 
-    With ``start``, a demo run that is not running is (re)started: it trains the toy
-    task (``rl_core.toy``) so the reward curve visibly rises within minutes on a laptop.
+    With ``start``, each demo run that can start (draft, stopped, failed, ...) is queued:
+    the dataset run resumes from its last checkpoint; a completed one stays as it is.
     """
     if password is None:
         password, _ = _admin_password()
@@ -63,24 +142,31 @@ def demo_bootstrap(
     for old in APIKey.objects.filter(project=project, name=DEMO_KEY_NAME, revoked_at__isnull=True):
         old.revoke()
     _, plaintext = api_key_create(project=project, name=DEMO_KEY_NAME, user=user)
+    _demo_agent_key(project, user)
 
-    dataset = Dataset.objects.filter(project=project, name=DEMO_DATASET).first()
-    if dataset is None:
-        body = "".join(json.dumps(row) + "\n" for row in toy_rows(256)).encode()
-        dataset = dataset_create(
-            project=project, name=DEMO_DATASET, file=io.BytesIO(body), user=user
-        )
+    run = _dataset_run(project, model, _dataset(project, user))
+    online = _online_run(project, model)
+    if start:
+        for demo_run in (online, run):
+            if _startable(demo_run):
+                run_start(run=demo_run)
+    run.refresh_from_db()
+    online.refresh_from_db()
 
-    run = Run.objects.filter(project=project, name=DEMO_RUN).first()
-    if run is None:
-        config = RunConfig.from_dict({"mode": "dataset", "base_model": model, **TOY_SETTINGS})
-        run = run_create(project=project, name=DEMO_RUN, config=config, dataset=dataset)
+    agent = Agent.objects.filter(project=project, name=DEMO_AGENT).first()
+    if agent is None:
+        agent = agent_create(project=project, name=DEMO_AGENT, run=online)
+    elif agent.run_id != online.id:
+        agent = agent_bind_run(agent=agent, run=online)
 
-    if start and run.status in (Run.Status.DRAFT, Run.Status.STOPPED, Run.Status.FAILED):
-        run = run_start(run=run)
-
-    agent = Agent.objects.filter(project=project, name="demo agent").first() or agent_create(
-        project=project, name="demo agent", run=run
+    env_file = _private_file("demo.env")
+    _write_private(
+        env_file,
+        "# The README walkthrough's variables, written by ./steep up (a new key at every start).\n"
+        f"export STEEP_URL={settings.SITE_URL}\n"
+        f"export STEEP_KEY={plaintext}\n"
+        f"export STEEP_BASE_URL={agent.base_url}\n"
+        f"export STEEP_RUN={online.id}\n",
     )
     return Demo(
         username=user.username,
@@ -88,5 +174,23 @@ def demo_bootstrap(
         project_id=str(project.id),
         api_key=plaintext,
         run_id=str(run.id),
+        online_run_id=str(online.id),
         agent_base_url=agent.base_url,
+        env_file=env_file,
     )
+
+
+def demo_agent_credentials() -> tuple[str, str] | None:
+    """(gateway URL, project key) for the built-in demo agent while the online demo run is
+    running, else None."""
+    agent = (
+        Agent.objects.filter(project__name=DEMO_PROJECT, name=DEMO_AGENT)
+        .select_related("run")
+        .first()
+    )
+    path = _private_file("demo-agent.key")
+    if agent is None or agent.run is None or not path.exists():
+        return None
+    if agent.run.status != Run.Status.RUNNING:
+        return None
+    return f"{settings.INTERNAL_API_URL}/agents/{agent.id}/v1", path.read_text().strip()

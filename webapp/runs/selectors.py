@@ -1,7 +1,10 @@
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import datetime
+from pathlib import Path
 
+from django.conf import settings
 from django.db.models import Min, QuerySet
 from django.http import Http404
 
@@ -50,6 +53,11 @@ def checkpoint_list(*, run: Run) -> QuerySet[Checkpoint]:
     return Checkpoint.objects.filter(run=run).order_by("-version")
 
 
+def checkpoint_for_step(*, run: Run, step: int) -> Checkpoint | None:
+    """The run's checkpoint saved at ``step``, if any."""
+    return Checkpoint.objects.filter(run=run, step=step).order_by("-version").first()
+
+
 def run_event_list(*, run: Run) -> QuerySet[RunEvent]:
     """The run's events, newest first."""
     return RunEvent.objects.filter(run=run).order_by("-created_at", "-id")
@@ -64,3 +72,32 @@ def metric_step_times(*, run: Run, last: int) -> list[tuple[int, float]]:
         .order_by("-step")[:last]
     )
     return sorted((row["step"], row["at"].timestamp()) for row in rows)
+
+
+@dataclass(frozen=True)
+class KnownModel:
+    name: str  # what base_model takes: a local directory (or a Hugging Face id)
+    source: str  # "demo" | "project" (a run of the project uses it) | "models_dir"
+
+
+def known_models(*, project: Project) -> list[KnownModel]:
+    """The models this instance knows, to offer as ``base_model``: the demo model, those the
+    project's runs use (newest first), and the model directories in ``DATA_DIR/models``."""
+    found: list[KnownModel] = []
+    demo = settings.STEEP_DEMO_MODEL
+    if Path(demo).is_dir() or not demo.startswith(("/", ".")):
+        found.append(KnownModel(demo, "demo"))
+    for name in (
+        Run.objects.filter(project=project)
+        .order_by("-created_at")
+        .values_list("base_model", flat=True)[:200]
+    ):
+        found.append(KnownModel(name, "project"))
+    models_dir = Path(settings.DATA_DIR) / "models"
+    if models_dir.is_dir():
+        for config in sorted(models_dir.glob("*/config.json")):
+            found.append(KnownModel(str(config.parent), "models_dir"))
+    unique: dict[str, KnownModel] = {}
+    for model in found:
+        unique.setdefault(model.name, model)  # the first source named wins
+    return list(unique.values())

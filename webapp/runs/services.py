@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from django.db import transaction
 from django.utils import timezone
 
-from rl_core.config import RunConfig
+from rl_core.config import ConfigError, RunConfig
 from webapp.accounts.models import Project
 from webapp.datasets.models import Dataset
 from webapp.runs.events import publish_run_event, status_event
-from webapp.runs.models import Run, RunEvent
+from webapp.runs.models import Checkpoint, Run, RunEvent
 
 S = Run.Status
 
@@ -65,6 +67,54 @@ def run_create(
         message=f"Run created in {config.mode} mode on {config.base_model}.",
     )
     return run
+
+
+def run_clone(
+    *,
+    run: Run,
+    name: str | None = None,
+    checkpoint: Checkpoint | None = None,
+    overrides: dict | None = None,
+) -> Run:
+    """A new draft run with ``run``'s dataset and settings ("Run again"), any status allowed.
+
+    ``overrides`` are settings that replace the source's (validated together by RunConfig).
+    With ``checkpoint`` (one of ``run``'s), the new run starts from its weights
+    (``init_checkpoint``); otherwise it starts where ``run`` started. Raises ``RunInvalid``.
+    """
+    if checkpoint is not None and checkpoint.run_id != run.id:
+        raise RunInvalid({"from_checkpoint": ["Checkpoint not found in this run."]})
+    if checkpoint is not None and not Path(checkpoint.path).is_dir():
+        raise RunInvalid(
+            {
+                "from_checkpoint": [
+                    f"The files of the checkpoint at step {checkpoint.step} are gone ({checkpoint.path})."
+                ]
+            }
+        )
+    known = {spec.name for spec in RunConfig.field_specs()}
+    # Settings stored before a field was removed are dropped; new fields take their defaults.
+    values = {key: value for key, value in run.config.items() if key in known}
+    if checkpoint is not None:
+        values["init_checkpoint"] = checkpoint.path
+    values |= overrides or {}
+    try:
+        config = RunConfig.from_dict(values)
+    except ConfigError as exc:
+        raise RunInvalid(
+            {f"config.{key}": messages for key, messages in exc.errors.items()}
+        ) from None
+    if name is None:
+        suffix = f" (from step {checkpoint.step})" if checkpoint is not None else " (again)"
+        name = run.name[: 200 - len(suffix)] + suffix
+    clone = run_create(project=run.project, name=name, config=config, dataset=run.dataset)
+    source = (
+        f"checkpoint step {checkpoint.step} of" if checkpoint is not None else "the settings of"
+    )
+    RunEvent.objects.create(
+        run=clone, kind="cloned", message=f"Cloned from {source} run '{run.name}' ({run.id})."
+    )
+    return clone
 
 
 def run_transition(*, run: Run, to: str, message: str = "", error: str | None = None) -> Run:

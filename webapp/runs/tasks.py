@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from celery import shared_task
 
-from webapp.runs import launching
+from webapp.runs import demo_agent, launching
 
 
 @shared_task(name="runs.launch")
@@ -22,3 +22,8 @@ def run_shutdown(run_id: str, grace_s: float = 120.0) -> str:
 @shared_task(name="runs.reconcile")
 def runs_reconcile() -> dict:
     return launching.runs_reconcile()
+
+
+@shared_task(name="runs.demo_agent")
+def demo_agent_play() -> dict:
+    return demo_agent.demo_agent_play()

@@ -1,0 +1,153 @@
+"""The README's walkthrough, run as printed against a stack started as ``./steep up`` starts it.
+
+Every fenced block of the "Five-minute walkthrough" section runs, in order, unedited:
+bash blocks in one bash (``set -e``: any failing command fails the test), each python block
+saved to a file and run with this interpreter, as the README tells the reader. The only
+inputs are what ``./steep up`` leaves for the reader: ``data/demo.env`` (the blocks run in a
+folder whose ``data`` is the stack's DATA_DIR). A change to the README that breaks the
+walkthrough fails here.
+
+The stack is ``./steep up``'s: ``prepare`` (migrate, build the tiny model,
+``bootstrap_demo --start``), then a Celery worker with beat and the web server, on their own
+DATA_DIR and port, sharing the test database.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import test_database_url
+from tests.livestack import ROOT, LiveStack, answers, free_port, steep_env, wait_for
+
+SECTION = "## Five-minute walkthrough"
+FENCE = re.compile(
+    r"^(?P<indent>[ \t]*)```(?P<lang>\w*)[ \t]*\n(?P<body>.*?)^(?P=indent)```[ \t]*$", re.M | re.S
+)
+
+
+def walkthrough_blocks(readme: str) -> list[tuple[str, str, int]]:
+    """(language, code, line number) of each fenced block in the walkthrough section."""
+    start = readme.index(SECTION)
+    end = readme.find("\n## ", start + len(SECTION))
+    section = readme[start : end if end != -1 else None]
+    first_line = readme[:start].count("\n") + 1
+    return [
+        (m["lang"], textwrap.dedent(m["body"]), first_line + section[: m.start()].count("\n"))
+        for m in FENCE.finditer(section)
+    ]
+
+
+def test_the_walkthrough_blocks_are_found():
+    blocks = walkthrough_blocks((ROOT / "README.md").read_text())
+    languages = [lang for lang, _, _ in blocks]
+    assert "bash" in languages and "python" in languages, languages
+    assert set(languages) <= {"bash", "python"}, f"a block this test cannot run: {languages}"
+    python = next(code for lang, code, _ in blocks if lang == "python")
+    assert "raise_for_status()" in python
+
+
+def walkthrough_script(blocks: list[tuple[str, str, int]], folder: Path) -> str:
+    """One bash script: the bash blocks as they are, each python block run from its file."""
+    lines = ["set -e", "trap 'echo \"### failed in block $BLOCK\" >&2' ERR"]
+    for number, (lang, code, line) in enumerate(blocks, 1):
+        lines.append(f"BLOCK='{number} ({lang}, README.md line {line})'; echo \"### block $BLOCK\"")
+        if lang == "bash":
+            lines.append(code)
+        else:
+            script = folder / f"block{number}.py"
+            script.write_text(code)
+            lines.append(f'"$WALKTHROUGH_PYTHON" {script.name}')
+        lines.append(f'echo "### block {number} ok"')
+    return "\n".join(lines) + "\n"
+
+
+def demo_env(data_dir: Path) -> dict[str, str]:
+    return dict(re.findall(r"^export (\w+)=(.*)$", (data_dir / "demo.env").read_text(), re.M))
+
+
+@pytest.fixture
+def steep_up(transactional_db, tmp_path_factory):
+    """./steep up: its prepare() (migrate, the tiny model, bootstrap_demo --start), then its
+    worker and web server; (the stack, its DATA_DIR, what prepare printed)."""
+    data_dir = tmp_path_factory.mktemp("steep-up-data")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = steep_env(
+        data_dir=data_dir, database_url=test_database_url(), site_url=url, local_ray=True
+    )
+    with LiveStack(env=env, log_dir=tmp_path_factory.mktemp("steep-up-logs")) as stack:
+        model = data_dir / "models" / "tiny-chat"
+        stack.manage("migrate", "--noinput", "-v0")
+        subprocess.run(
+            [sys.executable, "-m", "rl_core.tiny", str(model)], env=env, cwd=ROOT, check=True
+        )
+        printed = stack.manage("bootstrap_demo", "--start", "--model", str(model))
+        stack.start_worker()
+        web = stack.start_web(port)
+        stack.wait_ready(web, lambda: answers(f"{url}/login/"), what="the web server")
+        yield stack, data_dir, printed
+
+
+@pytest.mark.slow
+def test_the_walkthrough_runs_as_printed_against_steep_up(steep_up, tmp_path):
+    from webapp.gateway.models import Session
+    from webapp.runs.models import Run
+
+    stack, data_dir, printed = steep_up
+    variables = demo_env(data_dir)
+    assert f"source {data_dir}/demo.env" in printed
+    assert set(variables) == {"STEEP_URL", "STEEP_KEY", "STEEP_BASE_URL", "STEEP_RUN"}
+    assert variables["STEEP_KEY"] in printed  # the key printed is the one saved
+
+    blocks = walkthrough_blocks((ROOT / "README.md").read_text())
+    (tmp_path / "data").symlink_to(data_dir)  # the reader's ./data
+    script = walkthrough_script(blocks, tmp_path)
+    env = {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "HOME": str(tmp_path),
+        "WALKTHROUGH_PYTHON": sys.executable,
+    }
+    try:
+        result = subprocess.run(
+            ["bash", "-c", script],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=420,
+        )
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"the walkthrough hung:\n{exc.stdout}\n{exc.stderr}\n{stack.log_tail()}")
+    report = f"{result.stdout}\n{result.stderr}\n{stack.log_tail()}"
+    assert result.returncode == 0, report
+    for number in range(1, len(blocks) + 1):
+        assert f"### block {number} ok" in result.stdout, report
+
+    # The reader's episode reached the online demo run, rewarded and ready for training.
+    run = Run.objects.get(pk=variables["STEEP_RUN"])
+    assert run.mode == "online"
+    sessions = list(Session.objects.filter(run=run))
+    readers = [s for s in sessions if s.metadata.get("agent") != "built-in demo agent"]
+    assert [s.status for s in readers] == ["ended"], report
+    assert readers[0].trajectory in ("ready", "claimed", "trained")
+
+    # Meanwhile the built-in demo agent keeps the online run training.
+    wait_for(
+        lambda: Run.objects.get(pk=run.pk).step >= 2,
+        300,
+        f"two training steps of the online demo run\n{stack.log_tail()}",
+        interval=2,
+    )
+    played = [
+        s
+        for s in Session.objects.filter(run=run)
+        if s.metadata.get("agent") == "built-in demo agent"
+    ]
+    assert sum(s.trajectory == "trained" for s in played) >= 8, stack.log_tail()
+    assert Run.objects.get(pk=run.pk).status == "running"
