@@ -54,3 +54,15 @@ def test_docs_page_renders_without_auth(anon_api):
     assert response.status_code == 200
     assert response["Content-Type"].startswith("text/html")
     assert b"/api/v1/schema/" in response.content
+
+
+def test_schema_lists_every_run_status(schema):
+    status = schema["components"]["schemas"]["RunOutput"]["properties"]["status"]
+    if "$ref" in status:
+        status = schema["components"]["schemas"][status["$ref"].rsplit("/", 1)[1]]
+    elif "allOf" in status:
+        status = schema["components"]["schemas"][status["allOf"][0]["$ref"].rsplit("/", 1)[1]]
+    assert status["enum"] == [
+        "draft", "queued", "starting", "running", "stopping",
+        "stopped", "completed", "failed", "interrupted",
+    ]  # fmt: skip

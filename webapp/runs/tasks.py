@@ -4,9 +4,14 @@ and calls one service in ``webapp.runs.launching``. The names are what the beat 
 
 from __future__ import annotations
 
+import logging
+
 from celery import shared_task
+from celery.signals import worker_ready
 
 from webapp.runs import launching
+
+logger = logging.getLogger(__name__)
 
 
 @shared_task(name="runs.launch")
@@ -22,3 +27,11 @@ def run_shutdown(run_id: str, grace_s: float = 120.0) -> str:
 @shared_task(name="runs.reconcile")
 def runs_reconcile() -> dict:
     return launching.runs_reconcile()
+
+
+@worker_ready.connect
+def runs_resume_at_start(**_) -> None:
+    """Runs interrupted by a clean stop of Steep resume when a worker starts again."""
+    resumed = launching.runs_resume()
+    if resumed:
+        logger.info("resuming %d interrupted run(s): %s", len(resumed), ", ".join(resumed))
