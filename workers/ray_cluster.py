@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from rl_core.inference.process import group_alive, signal_group, take_recorded_groups
+from rl_core.inference.process import free_port, group_alive, signal_group, take_recorded_groups
 
 
 class RayUnavailable(RuntimeError):
@@ -140,6 +140,12 @@ def _local_head(
         "127.0.0.1",
         "--dashboard-port",
         str(dashboard_port),
+        # Ports Ray would otherwise take fixed (52365, 10001): another Ray head on this
+        # machine holding them leaves this one without its job agent ("No available agent").
+        "--dashboard-agent-listen-port",
+        str(free_port()),
+        "--ray-client-server-port",
+        str(free_port()),
         "--num-cpus",
         str(num_cpus or os.cpu_count() or 2),
         "--disable-usage-stats",
