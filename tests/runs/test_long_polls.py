@@ -8,6 +8,7 @@ import asyncio
 import time
 
 import pytest
+from asgiref.sync import sync_to_async
 from django.db import connections
 
 from webapp.runs.jobs import job_secret_issue, job_submit_episodes
@@ -22,6 +23,14 @@ EPISODE = {
     "versions": [0, 0],
     "reward": 1.0,
 }
+
+
+@pytest.fixture(autouse=True)
+async def close_the_views_connection():
+    """The test client runs the views' checks in sync_to_async's one thread: its connection
+    would outlive the test (and PostgreSQL then refuses to drop the test database)."""
+    yield
+    await sync_to_async(connections.close_all)()
 
 
 @pytest.fixture
