@@ -1,5 +1,6 @@
-"""Stopping the local Ray head stops what Steep started for this DATA_DIR, and nothing else
-(no ``ray stop --force``, which ends every Ray process of the user on the machine)."""
+"""Stopping the local Ray head stops what Steep started for this DATA_DIR (the head and the
+runs' inference servers), and nothing else (no ``ray stop --force``, which ends every Ray
+process of the user on the machine)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import sys
 import time
 from pathlib import Path
 
-from workers.ray_cluster import _ray_temp_dir, _running, stop_local_cluster
+from rl_core.inference.process import record_process
+from workers.ray_cluster import _ray_temp_dir, _running, inference_pid_dir, stop_local_cluster
 
 # A process that starts a child (as the raylet starts its agents) and then waits; its
 # command line names a directory, as a Ray head's processes name their temp dir.
@@ -61,3 +63,35 @@ def test_it_stops_the_heads_processes_and_their_children_and_no_other(tmp_path):
                 subprocess.run(["kill", "-9", str(pid)], check=False)
             process.kill()
             process.wait(timeout=10)
+
+
+def test_it_stops_the_runs_inference_servers_recorded_for_its_data_dir_and_no_other(tmp_path):
+    # Servers run in sessions of their own, and may have outlived the Ray workers that
+    # started them: they are found by their records, not by their parents.
+    servers = {}
+    for name in ("ours", "theirs"):
+        server = subprocess.Popen(
+            [sys.executable, "-c", PARENT], start_new_session=True
+        )  # a server and its child, in a group of their own
+        record_process(inference_pid_dir(tmp_path / name), server.pid, backend="torch")
+        servers[name] = server
+    try:
+        deadline = time.monotonic() + 30
+        while not all(children_of(server.pid) for server in servers.values()):
+            assert time.monotonic() < deadline, "the stand-in servers did not start"
+            time.sleep(0.05)
+        [child] = children_of(servers["ours"].pid)
+
+        stopped = stop_local_cluster(data_dir=tmp_path / "ours", grace_s=5)
+
+        assert stopped == [servers["ours"].pid]
+        servers["ours"].wait(timeout=10)
+        assert not _running(child)
+        assert servers["theirs"].poll() is None
+        assert list(inference_pid_dir(tmp_path / "ours").iterdir()) == []
+    finally:
+        for server in servers.values():
+            for pid in children_of(server.pid):
+                subprocess.run(["kill", "-9", str(pid)], check=False)
+            server.kill()
+            server.wait(timeout=10)

@@ -190,6 +190,11 @@ for _cidr in INTERNAL_API_ALLOWED_CIDRS:
         raise ImproperlyConfigured(
             f"INTERNAL_API_ALLOWED_CIDRS: {_cidr!r} is not a network; use e.g. 10.0.0.0/8,172.16.0.0/12."
         ) from None
+# How long the internal API holds a run job's claim (and status watch) request while there is
+# nothing new to answer: an idle run asks a few times a minute (webapp.runs.internal). 0: never.
+INTERNAL_API_LONG_POLL_S = envint("INTERNAL_API_LONG_POLL_S", 30, minimum=0)
+# Relaunches of a run whose job crashed, since it was last started by hand (a run interrupted
+# by a clean stop of Steep resumes without using one).
 RUN_MAX_RESTARTS = envint("RUN_MAX_RESTARTS", 3, minimum=0)
 # torch threads per inference server / trainer process in a run's job.
 STEEP_TORCH_THREADS = envint("STEEP_TORCH_THREADS", 1, minimum=1)
@@ -215,7 +220,8 @@ else:
     for _sub in ("queue", "processed", "control"):
         (_broker / _sub).mkdir(parents=True, exist_ok=True)
     # kombu's file-system transport: a real broker shared by every process on this machine.
-    CELERY_BROKER_URL = "filesystem://"
+    # (The host means nothing to it; kombu warns at every connection when there is none.)
+    CELERY_BROKER_URL = "filesystem://localhost//"
     CELERY_BROKER_TRANSPORT_OPTIONS = {
         "data_folder_in": str(_broker / "queue"),
         "data_folder_out": str(_broker / "queue"),
@@ -292,12 +298,13 @@ LOGGING = {
     "loggers": {
         "django": {"handlers": ["console"], "level": "INFO", "propagate": False},
         "django.db.backends": {"level": "WARNING"},
+        # One access line per request: Steep's own (steep.request, with the request id), not
+        # uvicorn's as well.
+        "uvicorn.access": {"handlers": [], "propagate": False},
     },
 }
 if LOG_FORMAT == "json":
-    # uvicorn's and Celery's own lines in the same format. uvicorn's access lines are replaced
-    # by Steep's own (steep.request, with the request id).
+    # uvicorn's and Celery's own lines in the same format.
     for _name in ("uvicorn", "uvicorn.error"):
         LOGGING["loggers"][_name] = {"handlers": ["console"], "level": "INFO", "propagate": False}
-    LOGGING["loggers"]["uvicorn.access"] = {"handlers": [], "propagate": False}
     CELERY_WORKER_HIJACK_ROOT_LOGGER = False

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 import httpx
@@ -18,6 +19,10 @@ import httpx
 from rl_core.types import Trajectory
 
 logger = logging.getLogger(__name__)
+
+# What a long-poll asks the web app to wait at most (it may wait less: INTERNAL_API_LONG_POLL_S);
+# under the client's read timeout.
+LONG_POLL_S = 30.0
 
 
 class InternalAPI:
@@ -79,6 +84,11 @@ class InternalAPI:
     async def release(self) -> int:
         return (await self.call("POST", "release", {}))["released"]
 
+    async def watch_status(self, unchanged: str, wait_s: float = LONG_POLL_S) -> str:
+        """The run's status, once it is not ``unchanged`` or after up to ``wait_s`` (long-poll)."""
+        response = await self.call("GET", f"watch?while={unchanged}&wait_s={wait_s:g}")
+        return response["status"]
+
 
 class WebReporter:
     """``rl_core.loop.Reporter`` over the internal API."""
@@ -111,24 +121,45 @@ class WebSource:
     A session can yield several trajectories (turns rendered afresh start a new one);
     its key is ``session_id#index`` and the session counts as trained when any of its
     trajectories is trained.
+
+    Claims long-poll: the web app holds an empty claim up to ``wait_s`` until a trajectory
+    is ready, so an idle run asks a few times a minute. An empty answer that comes back
+    sooner than ``poll_s`` (a web app that does not wait) is asked again after a backoff
+    that doubles up to ``max_backoff_s``.
     """
 
-    def __init__(self, api: InternalAPI, *, poll_s: float = 0.5):
+    def __init__(
+        self,
+        api: InternalAPI,
+        *,
+        wait_s: float = LONG_POLL_S,
+        poll_s: float = 0.5,
+        max_backoff_s: float = 5.0,
+    ):
         self.api = api
+        self.wait_s = wait_s
         self.poll_s = poll_s
+        self.max_backoff_s = max_backoff_s
         self.buffer: list[tuple[str, Trajectory]] = []
         self.stopped = False
 
     async def next_batch(self, n: int) -> list[tuple[str, Trajectory]]:
+        backoff = self.poll_s
         while len(self.buffer) < n and not self.stopped:
-            claimed = await self.api.call("POST", "claim", {"limit": n - len(self.buffer)})
+            asked = time.monotonic()
+            claimed = await self.api.call(
+                "POST", "claim", {"limit": n - len(self.buffer), "wait_s": self.wait_s}
+            )
             for item in claimed["sessions"]:
                 for index, data in enumerate(item["trajectories"]):
                     self.buffer.append(
                         (f"{item['session_id']}#{index}", Trajectory.from_dict(data))
                     )
-            if len(self.buffer) < n:
-                await asyncio.sleep(self.poll_s)
+            if claimed["sessions"]:
+                backoff = self.poll_s
+            elif time.monotonic() - asked < self.poll_s:
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self.max_backoff_s)
         batch, self.buffer = self.buffer[:n], self.buffer[n:]
         return batch
 

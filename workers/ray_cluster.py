@@ -22,9 +22,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from rl_core.inference.process import free_port, group_alive, signal_group, take_recorded_groups
+
 
 class RayUnavailable(RuntimeError):
     pass
+
+
+AGENT_WAIT_S = 60.0
 
 
 @dataclass
@@ -135,6 +140,12 @@ def _ensure_local_head(
         "127.0.0.1",
         "--dashboard-port",
         str(dashboard_port),
+        # Ports Ray would otherwise take fixed (52365, 10001): another Ray head on this
+        # machine holding them leaves this one without its job agent ("No available agent").
+        "--dashboard-agent-listen-port",
+        str(free_port()),
+        "--ray-client-server-port",
+        str(free_port()),
         "--num-cpus",
         str(num_cpus or os.cpu_count() or 2),
         "--disable-usage-stats",
@@ -155,29 +166,43 @@ def _ensure_local_head(
     return RayCluster(dashboard_url=url, local=True)
 
 
-def stop_local_cluster(*, data_dir: Path, grace_s: float = 2.0) -> list[int]:
-    """Stop the local head Steep started for ``data_dir``, and only it; returns the PIDs.
+def inference_pid_dir(data_dir: Path) -> Path:
+    """Where the runs' inference servers on the local head are recorded while they run
+    (``rl_core.inference.process.record_process``)."""
+    return Path(data_dir) / "pids" / "inference"
 
-    Its processes (GCS, raylet, dashboard, the jobs' drivers) are the ones whose command
-    line names its temp dir, which is ``data_dir``'s own (``_ray_temp_dir``), with all their
-    descendants (agents, workers). Each gets SIGTERM, then SIGKILL after ``grace_s`` (the GCS
-    and the raylet do not stop on SIGTERM alone; ``ray stop --force`` kills outright). Unlike ``ray stop --force``, any other Ray
-    work on the machine is left alone.
+
+def stop_local_cluster(*, data_dir: Path, grace_s: float = 2.0) -> list[int]:
+    """Stop the local head Steep started for ``data_dir`` and the runs' inference servers on
+    it, and only those; returns the PIDs signalled.
+
+    The head's processes (GCS, raylet, dashboard, the jobs' drivers) are the ones whose
+    command line names its temp dir, which is ``data_dir``'s own (``_ray_temp_dir``), with all
+    their descendants (agents, workers). The inference servers run in sessions of their own
+    and may have lost their parent: they are the ones recorded in ``inference_pid_dir``.
+    Each gets SIGTERM, then SIGKILL after ``grace_s`` (the GCS and the raylet do not stop on
+    SIGTERM alone). Unlike ``ray stop --force``, any other Ray work on the machine is left alone.
     """
     marker = str(_ray_temp_dir(data_dir))
     # Their children too (the raylet's agents and workers, the dashboard's modules), taken
     # before any is signalled: an orphan's parent is no longer its parent.
     pids = _with_descendants([pid for pid in _pids_naming(marker) if pid != os.getpid()])
+    groups = take_recorded_groups(inference_pid_dir(data_dir))
     for pid in pids:
         _signal(pid, signal.SIGTERM)
+    groups = [pgid for pgid in groups if signal_group(pgid, signal.SIGTERM)]
     deadline = time.monotonic() + grace_s
-    while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
+    while time.monotonic() < deadline and (
+        any(_running(pid) for pid in pids) or any(group_alive(pgid) for pgid in groups)
+    ):
         time.sleep(0.1)
     for pid in pids:
         if _running(pid):
             _signal(pid, signal.SIGKILL)
+    for pgid in groups:
+        signal_group(pgid, signal.SIGKILL)
     (_ray_dir(data_dir) / "head.json").unlink(missing_ok=True)
-    return pids
+    return pids + [pgid for pgid in groups if pgid not in pids]
 
 
 def _pids_naming(text: str) -> list[int]:
@@ -241,23 +266,40 @@ def submit_job(
     env: dict[str, str],
     num_gpus: float = 0,
 ) -> str:
-    """Submit the job; ``num_gpus`` > 0 places its driver (the trainer) on a node with GPUs."""
+    """Submit the job; ``num_gpus`` > 0 places its driver (the trainer) on a node with GPUs.
+
+    A head that has just started answers the Jobs API before its job agent is up ("No
+    available agent to submit job"): that is retried for up to ``AGENT_WAIT_S``.
+    """
     import shlex
 
-    return _jobs_client(cluster.dashboard_url).submit_job(
-        entrypoint=" ".join(shlex.quote(part) for part in entrypoint),
-        submission_id=submission_id,
-        runtime_env={"env_vars": env},
-        entrypoint_num_gpus=num_gpus or None,
-    )
+    client = _jobs_client(cluster.dashboard_url)
+    deadline = time.monotonic() + AGENT_WAIT_S
+    while True:
+        try:
+            return client.submit_job(
+                entrypoint=" ".join(shlex.quote(part) for part in entrypoint),
+                submission_id=submission_id,
+                runtime_env={"env_vars": env},
+                entrypoint_num_gpus=num_gpus or None,
+            )
+        except RuntimeError as exc:
+            if "No available agent" not in str(exc) or time.monotonic() > deadline:
+                raise
+        time.sleep(1.0)
 
 
 def job_status(cluster: RayCluster, job_id: str) -> str:
-    """PENDING, RUNNING, STOPPED, SUCCEEDED, FAILED — or MISSING when the cluster has no such job."""
+    """PENDING, RUNNING, STOPPED, SUCCEEDED, FAILED — or MISSING when the cluster has no such
+    job. ``RayUnavailable`` when the cluster does not answer (no telling what became of it)."""
     try:
         return str(_jobs_client(cluster.dashboard_url).get_job_status(job_id).value)
     except RuntimeError:
         return "MISSING"
+    except OSError as exc:  # requests' ConnectionError, a timeout
+        raise RayUnavailable(
+            f"The Ray cluster at {cluster.dashboard_url} does not answer: {exc}"
+        ) from exc
 
 
 def job_logs_tail(cluster: RayCluster, job_id: str, lines: int = 60) -> str:
@@ -269,7 +311,8 @@ def job_logs_tail(cluster: RayCluster, job_id: str, lines: int = 60) -> str:
 
 
 def stop_job(cluster: RayCluster, job_id: str) -> None:
+    """Ask Ray to stop the job; nothing to do when it is gone, or its cluster with it."""
     try:
         _jobs_client(cluster.dashboard_url).stop_job(job_id)
-    except RuntimeError:
+    except (RuntimeError, OSError):
         pass

@@ -19,6 +19,7 @@ import asyncio
 import logging
 import os
 import signal
+import time
 import traceback
 from pathlib import Path
 
@@ -36,14 +37,16 @@ STOP_POLL_S = 2.0
 class InferenceReplica:
     """One inference server (SGLang on a GPU node, the torch engine otherwise) owned by a Ray actor."""
 
-    def __init__(self, backend: str, model_path: str, env: dict[str, str]):
+    def __init__(self, backend: str, model_path: str, env: dict[str, str], pid_dir: str = ""):
         os.environ.update(env)
         host = (
             "127.0.0.1"
             if backend == "torch" and env.get("STEEP_LOCAL_ONLY", "1") == "1"
             else ray.util.get_node_ip_address()
         )
-        self.server = make_inference_server(backend, model_path, host=host, port=free_port())
+        self.server = make_inference_server(
+            backend, model_path, host=host, port=free_port(), pid_dir=pid_dir or None
+        )
         self.server.start()
         self.server.wait_healthy(timeout=float(env.get("STEEP_SERVER_START_TIMEOUT", "600")))
 
@@ -82,9 +85,11 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
 
         backend = choose_backend(config.inference_backend)
         env = {"STEEP_TORCH_THREADS": os.environ.get("STEEP_TORCH_THREADS", "1")}
+        # On Steep's local Ray head: where the servers are recorded, so a stop of Steep finds them.
+        pid_dir = os.environ.get("STEEP_PID_DIR", "")
         replicas = [
             InferenceReplica.options(**_replica_resources(backend)).remote(
-                backend, config.base_model, env
+                backend, config.base_model, env, pid_dir
             )
             for _ in range(config.num_inference_servers)
         ]
@@ -136,13 +141,19 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
             driver_task = asyncio.create_task(driver.run())
 
         async def watch_for_stop() -> None:
+            # A long-poll: the web app answers when the run is no longer running (a stop
+            # request, or Steep interrupting it), or after a while with "running".
             while True:
-                await asyncio.sleep(STOP_POLL_S)
-                if (await api.config())["status"] == "stopping":
-                    await reporter.event("stop", "Stop requested: finishing the current step.")
-                    loop.stop()
-                    source.stop()
-                    return
+                asked = time.monotonic()
+                status = await api.watch_status("running")
+                if status != "running":
+                    break
+                if time.monotonic() - asked < STOP_POLL_S:  # a web app that does not wait
+                    await asyncio.sleep(STOP_POLL_S)
+            if status == "stopping":
+                await reporter.event("stop", "Stop requested: finishing the current step.")
+            loop.stop()
+            source.stop()
 
         watcher = asyncio.create_task(watch_for_stop())
         asyncio.get_running_loop().add_signal_handler(

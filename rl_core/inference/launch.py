@@ -74,6 +74,7 @@ class TorchEngineServer(InferenceServer):
             "--max-running-requests", str(self.max_running_requests),
             "--dtype", self.dtype,
             "--device", self.device,
+            "--parent-pid", str(os.getpid()),  # its own session: exit with its owner
         ]  # fmt: skip
         if self.num_threads:
             cmd += ["--num-threads", str(self.num_threads)]

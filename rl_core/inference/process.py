@@ -4,11 +4,18 @@
 waits for ``GET /health``, and stops the whole group. A backend says only how its
 server is started (``command``, ``environment``); the backends and the choice
 between them live in ``rl_core.inference.launch``.
+
+A server runs in its own session, so nothing that signals its parent's process group
+reaches it. Given a ``pid_dir``, it is recorded there while it runs (``record_process``)
+so that whoever owns that directory can stop every server still running, by PID, even
+after their parents died without stopping them (``take_recorded_groups``, then
+``signal_group``; ``./steep up`` does at Ctrl-C, in ``workers.ray_cluster``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -29,6 +36,68 @@ class ServerStartError(RuntimeError):
     """An inference server exited or did not become healthy; the message ends with its log tail."""
 
 
+def _start_time(pid: int) -> int | None:
+    """When the process started (clock ticks since boot, from /proc): with the PID, it names
+    one process, not a later one given the same PID. None when there is no such process."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def record_process(pid_dir: str | os.PathLike[str], pid: int, **info: str) -> Path:
+    """Record the process group led by ``pid`` in ``pid_dir/<pid>.json`` (with ``info``)."""
+    path = Path(pid_dir) / f"{pid}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"pid": pid, "start_time": _start_time(pid), **info}))
+    return path
+
+
+def take_recorded_groups(pid_dir: str | os.PathLike[str]) -> list[int]:
+    """The process groups recorded in ``pid_dir`` that may still run, to be stopped
+    (``signal_group``); their records are removed.
+
+    A recorded PID that now names another process (its start time differs) is left out.
+    One that names no process any more may still lead a group (a server's children outlive
+    it): it is kept, as Linux gives no new process a PID still used as a group id.
+    """
+    groups = []
+    for path in sorted(Path(pid_dir).glob("*.json")):
+        try:
+            record = json.loads(path.read_text())
+            pid = int(record["pid"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # not a record of ours
+        else:
+            started = _start_time(pid)
+            if started is None or started == record.get("start_time"):
+                groups.append(pid)
+        path.unlink(missing_ok=True)
+    return groups
+
+
+def signal_group(pgid: int, number: int) -> bool:
+    """Send signal ``number`` to process group ``pgid``; False when there is no such group."""
+    try:
+        os.killpg(pgid, number)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+def group_alive(pgid: int) -> bool:
+    """Some process of the group is alive and not a zombie (from /proc)."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                return True
+    return False
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that is free right now on ``host`` (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -41,7 +110,8 @@ class InferenceServer(ABC):
 
     The process runs in its own session (process group) so ``stop()`` also ends any
     children it spawned (SGLang starts scheduler and detokenizer processes). Its
-    stdout/stderr go to ``log_path`` (a temp file unless given).
+    stdout/stderr go to ``log_path`` (a temp file unless given). With ``pid_dir`` it is
+    recorded there from ``start()`` to ``stop()`` (``record_process``).
     """
 
     def __init__(
@@ -54,6 +124,7 @@ class InferenceServer(ABC):
         env: dict[str, str] | None = None,
         log_path: str | os.PathLike[str] | None = None,
         extra_args: list[str] | None = None,
+        pid_dir: str | os.PathLike[str] | None = None,
     ):
         self.model_path = str(model_path)
         self.host = host
@@ -66,8 +137,10 @@ class InferenceServer(ABC):
             if log_path
             else Path(tempfile.mkstemp(prefix=f"steep-{self.backend}-", suffix=".log")[1])
         )
+        self.pid_dir = Path(pid_dir) if pid_dir else None
         self.process: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
+        self._pid_file: Path | None = None
 
     backend: str = ""
 
@@ -99,6 +172,10 @@ class InferenceServer(ABC):
             env=self.environment(),
             start_new_session=True,
         )
+        if self.pid_dir is not None:
+            self._pid_file = record_process(
+                self.pid_dir, self.process.pid, backend=self.backend, url=self.url
+            )
         return self
 
     def is_running(self) -> bool:
@@ -145,6 +222,9 @@ class InferenceServer(ABC):
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=10)
+        if self._pid_file is not None:
+            self._pid_file.unlink(missing_ok=True)
+            self._pid_file = None
         if self._log is not None:
             self._log.close()
             self._log = None

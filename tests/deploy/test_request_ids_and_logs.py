@@ -7,9 +7,12 @@ import io
 import json
 import logging
 import re
+import sys
+import urllib.request
 
 import pytest
 
+from tests.livestack import LiveStack, answers, free_port, steep_env
 from webapp.observability import JsonFormatter, RequestIdFilter
 
 
@@ -120,3 +123,30 @@ def test_log_format_plain_is_one_readable_line(tmp_path, production_env, run_dja
     result = run_django(LOG_ONE, production_env(tmp_path, LOG_FORMAT="plain"))
     assert result.returncode == 0, result.stderr
     assert result.stderr.strip().splitlines()[-1].endswith("WARNING steep.test [-] hello")
+
+
+@pytest.mark.parametrize("log_format", ["plain", "json"])
+def test_a_request_through_the_real_server_is_logged_once(tmp_path, log_format):
+    # uvicorn logs every request too, unless told not to: one line per request is Steep's.
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with LiveStack(
+        env=steep_env(data_dir=tmp_path, LOG_FORMAT=log_format), log_dir=tmp_path
+    ) as stack:
+        web = stack.start(  # as ./steep web starts it
+            "web",
+            [sys.executable, "-m", "uvicorn", "webapp.asgi:application", "--host", "127.0.0.1",
+             "--port", str(port), "--lifespan", "off"],
+        )  # fmt: skip
+        stack.wait_ready(
+            web,
+            lambda: answers(f"{url}/readyz", 200) or answers(f"{url}/readyz", 503),
+            what="uvicorn",
+        )
+        request = urllib.request.Request(f"{url}/healthz", headers={"X-Request-ID": "once-42"})
+        with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(request) as response:
+            assert response.status == 200
+        # Both would be written before the response: Steep's line, then uvicorn's at its start.
+        lines = [line for line in stack.logs["web"].read_text().splitlines() if "/healthz" in line]
+    assert len(lines) == 1, lines
+    assert "once-42" in lines[0] and "steep.request" in lines[0]

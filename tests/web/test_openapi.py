@@ -65,3 +65,15 @@ def test_docs_page_loads_swagger_ui_from_this_server_not_a_cdn(anon_api, client)
     bundle = next(a for a in assets if a.endswith("swagger-ui-bundle.js"))
     assert bundle.startswith("/static/drf_spectacular_sidecar/")
     assert client.get(bundle).status_code == 200
+
+
+def test_schema_lists_every_run_status(schema):
+    status = schema["components"]["schemas"]["RunOutput"]["properties"]["status"]
+    if "$ref" in status:
+        status = schema["components"]["schemas"][status["$ref"].rsplit("/", 1)[1]]
+    elif "allOf" in status:
+        status = schema["components"]["schemas"][status["allOf"][0]["$ref"].rsplit("/", 1)[1]]
+    assert status["enum"] == [
+        "draft", "queued", "starting", "running", "stopping",
+        "stopped", "completed", "failed", "interrupted",
+    ]  # fmt: skip

@@ -109,7 +109,7 @@ def test_active_run_cannot_be_deleted(project, make_run, set_status, status):
     assert Run.objects.filter(pk=run.pk).exists()
 
 
-@pytest.mark.parametrize("status", [S.DRAFT, S.STOPPED, S.COMPLETED, S.FAILED])
+@pytest.mark.parametrize("status", [S.DRAFT, S.STOPPED, S.COMPLETED, S.FAILED, S.INTERRUPTED])
 def test_inactive_run_can_be_deleted(project, make_run, set_status, status):
     run = set_status(make_run(project), status)
     run_delete(run=run)

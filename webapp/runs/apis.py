@@ -74,7 +74,12 @@ class RunOutput(serializers.Serializer):
     mode = serializers.CharField()
     base_model = serializers.CharField()
     dataset = serializers.UUIDField(source="dataset_id", allow_null=True)
-    status = serializers.CharField()
+    status = serializers.ChoiceField(
+        choices=Run.Status.values,
+        help_text="draft → queued → starting → running → stopping → stopped | completed | "
+        "failed. interrupted: Steep was stopped cleanly while the run was active; it resumes "
+        "from its last checkpoint when Steep starts again.",
+    )
     step = serializers.IntegerField()
     weight_version = serializers.IntegerField()
     error = serializers.CharField()
@@ -100,7 +105,11 @@ class RunDetailOutput(RunOutput):
 
 class RunListApi(ProjectAPIView):
     @extend_schema(
-        parameters=[OpenApiParameter("status", str, description="Only runs in this status.")],
+        parameters=[
+            OpenApiParameter(
+                "status", str, enum=Run.Status.values, description="Only runs in this status."
+            )
+        ],
         responses=RunOutput(many=True),
         summary="List runs",
     )

@@ -4,19 +4,33 @@ Authenticated with the run's per-attempt job secret (``Authorization: Bearer
 steep-job-...``); project keys are never accepted here. Views parse, call one
 service from ``webapp.runs.jobs``, and answer JSON. Each view checks its input and
 answers 400 with what is wrong; past that, an error is a bug and answers 500.
+
+Two views long-poll, so that an idle run asks a few times a minute instead of twice a
+second: ``claim`` (with ``wait_s``) answers as soon as it has claimed trajectories, and
+``watch`` as soon as the run's status is not ``?while=``; either answers anyway after
+``wait_s`` seconds, at most ``INTERNAL_API_LONG_POLL_S``. They are async views that check
+every ``LONG_POLL_CHECK_S`` (``_long_poll``): short reads, no transaction held between them,
+and no shared thread either (behind sync-only middleware, such as WhiteNoise, Django gives
+each request a thread of its own, which the wait holds idle); a client that goes away
+cancels the wait.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import json
 import math
+import os
+import time
 import uuid
 from collections.abc import Callable
 from functools import lru_cache
+from typing import TypeVar
 
+from asgiref.sync import iscoroutinefunction, sync_to_async
 from django.conf import settings
-from django.http import FileResponse, HttpRequest, JsonResponse
+from django.http import HttpRequest, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
 from webapp.accounts.auth import bearer_token
@@ -139,29 +153,78 @@ def _network_allowed(request: HttpRequest) -> bool:
     return any(address in network for network in networks)
 
 
-def internal(method: str):
-    def wrap(view: Callable):
-        @csrf_exempt
-        def handler(request: HttpRequest, run_id: str):
-            if not _network_allowed(request):
-                return _error(403, "the internal API is not reachable from this network")
-            if request.method != method:
-                return _error(405, f"use {method}")
-            run = jobs.job_authenticate(
-                run_id=run_id, token=bearer_token(request.headers.get("Authorization", ""))
-            )
-            if run is None:
-                return _error(401, "invalid job secret for this run")
-            try:
-                return view(request, run)
-            except BadRequest as exc:
-                return _error(400, str(exc))
-            except IllegalTransition as exc:
-                return _error(409, str(exc))
+def _admit(request: HttpRequest, run_id: str, method: str) -> Run | JsonResponse:
+    """The run whose job secret the request carries, or the error response."""
+    if not _network_allowed(request):
+        return _error(403, "the internal API is not reachable from this network")
+    if request.method != method:
+        return _error(405, f"use {method}")
+    run = jobs.job_authenticate(
+        run_id=run_id, token=bearer_token(request.headers.get("Authorization", ""))
+    )
+    if run is None:
+        return _error(401, "invalid job secret for this run")
+    return run
 
-        return handler
+
+def internal(method: str):
+    """A view of the internal API (sync, or async for the long-polls): ``view(request, run)``."""
+
+    def wrap(view: Callable):
+        if iscoroutinefunction(view):
+
+            async def handler(request: HttpRequest, run_id: str):
+                run = await sync_to_async(_admit)(request, run_id, method)
+                if isinstance(run, JsonResponse):
+                    return run
+                try:
+                    return await view(request, run)
+                except BadRequest as exc:
+                    return _error(400, str(exc))
+
+        else:
+
+            def handler(request: HttpRequest, run_id: str):
+                run = _admit(request, run_id, method)
+                if isinstance(run, JsonResponse):
+                    return run
+                try:
+                    return view(request, run)
+                except BadRequest as exc:
+                    return _error(400, str(exc))
+                except IllegalTransition as exc:
+                    return _error(409, str(exc))
+
+        return csrf_exempt(handler)
 
     return wrap
+
+
+T = TypeVar("T")
+LONG_POLL_CHECK_S = 0.5  # between two checks of a long-poll
+
+
+def _wait_s(value) -> float:
+    """A requested long-poll wait (seconds, default none), capped at INTERNAL_API_LONG_POLL_S."""
+    try:
+        wait = float(value)
+    except (TypeError, ValueError):
+        raise BadRequest("'wait_s' must be a number of seconds") from None
+    if isinstance(value, bool) or not math.isfinite(wait) or wait < 0:
+        raise BadRequest("'wait_s' must be a number of seconds, 0 or more")
+    return min(wait, settings.INTERNAL_API_LONG_POLL_S)
+
+
+async def _long_poll(check: Callable[[], T], wait_s: float) -> T:
+    """``check()`` (ORM work, run in Django's thread) until it returns something truthy or
+    ``wait_s`` has passed; its last result. Nothing is held between two checks."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        result = await sync_to_async(check)()
+        remaining = deadline - time.monotonic()
+        if result or remaining <= 0:
+            return result
+        await asyncio.sleep(min(LONG_POLL_CHECK_S, remaining))
 
 
 @internal("GET")
@@ -187,11 +250,22 @@ def config(request, run: Run):
     )
 
 
+async def _file_chunks(path: str, size: int = 1 << 20):
+    # An async iterator: under ASGI, Django streams a sync one through a thread, with a warning.
+    with open(path, "rb") as file:
+        while chunk := await asyncio.to_thread(file.read, size):
+            yield chunk
+
+
 @internal("GET")
 def dataset(request, run: Run):
     if run.dataset is None:
         return _error(404, "this run has no dataset")
-    return FileResponse(open(run.dataset.path, "rb"), content_type="application/x-ndjson")
+    response = StreamingHttpResponse(
+        _file_chunks(run.dataset.path), content_type="application/x-ndjson"
+    )
+    response["Content-Length"] = str(os.path.getsize(run.dataset.path))
+    return response
 
 
 @internal("POST")
@@ -266,11 +340,28 @@ def checkpoints(request, run: Run):
 
 
 @internal("POST")
-def claim(request, run: Run):
-    limit = _int(_body(request), "limit", 1)
+async def claim(request, run: Run):
+    """Claim up to ``limit`` ready sessions; with ``wait_s``, wait that long for the first one."""
+    data = _body(request)
+    limit = _int(data, "limit", 1)
     if not 1 <= limit <= 10_000:
         raise BadRequest("'limit' must be between 1 and 10000")
-    return JsonResponse({"sessions": jobs.job_claim_trajectories(run=run, limit=limit)})
+    wait_s = _wait_s(data.get("wait_s", 0))
+    sessions = await _long_poll(lambda: jobs.job_claim_trajectories(run=run, limit=limit), wait_s)
+    return JsonResponse({"sessions": sessions})
+
+
+@internal("GET")
+async def watch(request, run: Run):
+    """``{"status"}`` once the run's status is not ``?while=`` (or after ``?wait_s=``)."""
+    unchanged = request.GET.get("while", "")
+    wait_s = _wait_s(request.GET.get("wait_s", 0))
+
+    def changed() -> str | None:
+        status = jobs.job_run_status(run=run)
+        return status if status != unchanged else None
+
+    return JsonResponse({"status": await _long_poll(changed, wait_s) or unchanged})
 
 
 @internal("POST")

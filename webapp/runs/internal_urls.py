@@ -17,5 +17,6 @@ urlpatterns = [
         "release",
         "episodes",
         "events",
+        "watch",
     )
 ]

@@ -51,9 +51,10 @@ def job_authenticate(*, run_id, token: str | None) -> Run | None:
 
 
 def job_report_status(*, run: Run, status: str, message: str = "", error: str | None = None) -> Run:
-    """Move the run as its job says; repeating the current status is a no-op."""
+    """Move the run as its job says; repeating the current status is a no-op, and so is any
+    report on an interrupted run (its job is going down with Steep: what it says last is moot)."""
     run.refresh_from_db()
-    if run.status == status:
+    if run.status in (status, S.INTERRUPTED):
         return run
     if status == S.COMPLETED and run.status == S.STARTING:
         run = run_transition(run=run, to=S.RUNNING, message="Job reported completion.")
@@ -61,6 +62,11 @@ def job_report_status(*, run: Run, status: str, message: str = "", error: str | 
         # Stopped from outside Steep (e.g. Ray's dashboard): record it as a stop.
         run = run_transition(run=run, to=S.STOPPING, message="The job was stopped outside Steep.")
     return run_transition(run=run, to=status, message=message, error=error)
+
+
+def job_run_status(*, run: Run) -> str:
+    """The run's status now (the job watches it for a stop request)."""
+    return Run.objects.filter(pk=run.pk).values_list("status", flat=True).get()
 
 
 def job_register_server(*, run: Run, url: str, backend: str) -> None:

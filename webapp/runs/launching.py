@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections.abc import Callable
 
 from django.conf import settings
 
@@ -20,6 +21,7 @@ from workers.ray_cluster import (
     RayCluster,
     RayUnavailable,
     ensure_cluster,
+    inference_pid_dir,
     job_logs_tail,
     job_status,
     stop_job,
@@ -48,12 +50,15 @@ def _submit(run: Run) -> str:
     job_release(run=run)
     secret = job_secret_issue(run=run)
     job_id = f"steep-run-{run.id.hex[:12]}-a{run.job_attempt}-{int(time.time())}"
+    cluster = _cluster()
     env = {
         "STEEP_JOB_SECRET": secret,
         "PYTHONUNBUFFERED": "1",
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
         "STEEP_TORCH_THREADS": str(settings.STEEP_TORCH_THREADS),
     }
+    if cluster.local:  # this machine: record the inference servers where a stop of Steep finds them
+        env["STEEP_PID_DIR"] = str(inference_pid_dir(settings.DATA_DIR))
     entrypoint = [
         sys.executable,
         "-m",
@@ -64,7 +69,7 @@ def _submit(run: Run) -> str:
         settings.INTERNAL_API_URL,
     ]
     submit_job(
-        _cluster(),
+        cluster,
         submission_id=job_id,
         entrypoint=entrypoint,
         env=env,
@@ -81,7 +86,8 @@ def run_launch(*, run_id: str) -> str:
     """Submit a queued run as a Ray job with a fresh job secret; the run becomes ``starting``.
 
     Returns the job id, ``"skipped"`` when the run is gone or no longer queued, or
-    ``"failed"`` when the submission failed: the run is then ``failed`` with the reason.
+    ``"failed"`` when the submission failed: the run is then ``failed`` with the reason
+    (``"interrupted"`` when it failed because Steep was being stopped: ``runs_interrupt``).
     """
     run = Run.objects.filter(pk=run_id).first()
     if run is None or run.status != S.QUEUED:
@@ -92,8 +98,11 @@ def run_launch(*, run_id: str) -> str:
         logger.info("launch of %s skipped: %s", run_id, exc)
         return "skipped"
     except Exception as exc:  # whatever broke (Ray unreachable, a refused job), the run says why
-        logger.exception("launch of %s failed", run_id)
         run.refresh_from_db()
+        if run.status == S.INTERRUPTED:  # Steep is stopping, and Ray with it: not a failure
+            logger.info("launch of %s interrupted: %s", run_id, exc)
+            return "interrupted"
+        logger.exception("launch of %s failed", run_id)
         if run.status in (S.QUEUED, S.STARTING):
             run_transition(
                 run=run, to=S.FAILED, error=f"Could not launch the run: {type(exc).__name__}: {exc}"
@@ -114,8 +123,11 @@ def run_shutdown(*, run_id: str, grace_s: float = 120.0) -> str:
         run.refresh_from_db()
         if run.status != S.STOPPING:
             return run.status
-        if job_status(_cluster(), run.job_id) in JOB_ENDED:
-            break
+        try:
+            if job_status(_cluster(), run.job_id) in JOB_ENDED:
+                break
+        except RayUnavailable:  # Ray restarting, or going down with Steep: ask again
+            pass
         time.sleep(1.0)
     run.refresh_from_db()
     if run.status != S.STOPPING:
@@ -130,8 +142,9 @@ def run_shutdown(*, run_id: str, grace_s: float = 120.0) -> str:
 
 
 def runs_reconcile() -> dict:
-    """Find runs whose Ray job died (worker restart, reboot, crash): mark them failed and queue
-    them again from their last checkpoint, at most ``RUN_MAX_RESTARTS`` times."""
+    """Find runs whose Ray job died (worker restart, reboot, crash) and hand each to
+    ``run_job_died``. (A clean stop of Steep makes its runs ``interrupted`` first, so they are
+    not seen here: see ``runs_interrupt``.)"""
     summary = {"restarted": 0, "failed": 0}
     active = Run.objects.filter(status__in=[S.STARTING, S.RUNNING]).exclude(job_id="")
     if not active.exists():
@@ -142,31 +155,101 @@ def runs_reconcile() -> dict:
         logger.warning("reconcile: Ray unavailable: %s", exc)
         return summary
     for run in active:
-        state = job_status(cluster, run.job_id)
+        try:
+            state = job_status(cluster, run.job_id)
+        except RayUnavailable as exc:  # no telling whether its job died: ask next time
+            logger.warning("reconcile: %s", exc)
+            return summary
         if state in ("PENDING", "RUNNING"):
             continue
-        run.refresh_from_db()
-        if run.status not in (S.STARTING, S.RUNNING):
-            continue
-        tail = job_logs_tail(cluster, run.job_id)
-        Run.objects.filter(pk=run.pk).update(job_log_tail=tail)
-        released = job_release(run=run)
-        try:
-            run = run_transition(
-                run=run,
-                to=S.FAILED,
-                error=f"The run's Ray job ended unexpectedly ({state}).\n\n{tail}",
-            )
-        except IllegalTransition:
-            continue
-        if run.job_attempt <= settings.RUN_MAX_RESTARTS:
-            RunEvent.objects.create(
-                run=run,
-                kind="reconcile",
-                message=f"Job {state}; released {released} trajectories; restarting from the last checkpoint.",
-            )
-            run_queue(run=run, message="Restarted by the reconciler.")
-            summary["restarted"] += 1
-        else:
-            summary["failed"] += 1
+        outcome = run_job_died(
+            run=run, state=state, log_tail=lambda run=run: job_logs_tail(cluster, run.job_id)
+        )
+        if outcome in summary:
+            summary[outcome] += 1
     return summary
+
+
+def run_job_died(*, run: Run, state: str, log_tail: Callable[[], str] = str) -> str:
+    """The run's job ended (Ray says ``state``) while the run was starting or running: a crash.
+
+    The run fails with the job's ``log_tail()`` and, while fewer than ``RUN_MAX_RESTARTS``
+    restarts were made since it was last started by hand, is queued again from its last
+    checkpoint. Returns ``"restarted"``, ``"failed"`` or ``"skipped"`` (the run moved meanwhile).
+    """
+    run.refresh_from_db()
+    if run.status not in (S.STARTING, S.RUNNING):
+        return "skipped"
+    tail = log_tail()
+    Run.objects.filter(pk=run.pk).update(job_log_tail=tail)
+    released = job_release(run=run)
+    try:
+        run = run_transition(
+            run=run, to=S.FAILED, error=f"The run's Ray job ended unexpectedly ({state}).\n\n{tail}"
+        )
+    except IllegalTransition:
+        return "skipped"
+    if run.crash_restarts >= settings.RUN_MAX_RESTARTS:
+        return "failed"
+    restarts = run.crash_restarts + 1
+    Run.objects.filter(pk=run.pk).update(crash_restarts=restarts)
+    RunEvent.objects.create(
+        run=run,
+        kind="reconcile",
+        message=f"Job {state}; released {released} trajectories; restarting from the last "
+        f"checkpoint (restart {restarts} of {settings.RUN_MAX_RESTARTS}).",
+    )
+    run_queue(run=run, message="Restarted by the reconciler.")
+    return "restarted"
+
+
+INTERRUPT_MESSAGES = {
+    S.INTERRUPTED: "Steep was stopped; the run resumes from its last checkpoint when Steep starts.",
+    S.STOPPED: "Steep was stopped while the run was stopping.",
+}
+
+
+def runs_interrupt(*, stop_jobs: bool = False) -> list[str]:
+    """Steep is being stopped cleanly: every active run becomes ``interrupted`` (a stopping one
+    ``stopped``), before its job goes down with Steep, so that neither the reconciler nor the
+    job's own last reports turn the stop into a failure. Claimed trajectories go back to ready
+    and the runs' inference servers are forgotten. With ``stop_jobs``, the runs' Ray jobs are
+    asked to stop: for an external ``RAY_ADDRESS`` cluster, which outlives Steep (a local head
+    is stopped whole, see ``workers.ray_cluster.stop_local_cluster``).
+
+    Returns the ids of the interrupted runs.
+    """
+    interrupted, jobs = [], []
+    for run in Run.objects.filter(status__in=[S.QUEUED, S.STARTING, S.RUNNING, S.STOPPING]):
+        target = S.STOPPED if run.status == S.STOPPING else S.INTERRUPTED
+        try:
+            run = run_transition(run=run, to=target, message=INTERRUPT_MESSAGES[target])
+        except IllegalTransition:  # moved meanwhile (e.g. the job completed)
+            continue
+        InferenceServer.objects.filter(run=run).delete()
+        job_release(run=run)
+        if run.job_id:
+            jobs.append(run.job_id)
+        if target == S.INTERRUPTED:
+            interrupted.append(str(run.id))
+    if stop_jobs and jobs:
+        try:
+            cluster = _cluster()
+        except RayUnavailable:
+            return interrupted
+        for job_id in jobs:
+            stop_job(cluster, job_id)
+    return interrupted
+
+
+def runs_resume() -> list[str]:
+    """Queue every ``interrupted`` run again (at worker start-up): it resumes from its last
+    checkpoint, and this uses none of its ``RUN_MAX_RESTARTS``. Returns their ids."""
+    resumed = []
+    for run in Run.objects.filter(status=S.INTERRUPTED):
+        try:
+            run_queue(run=run, message="Steep started again: resuming from the last checkpoint.")
+        except IllegalTransition:  # another worker resumed it first
+            continue
+        resumed.append(str(run.id))
+    return resumed

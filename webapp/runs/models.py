@@ -18,6 +18,9 @@ class Run(models.Model):
         STOPPED = "stopped"
         COMPLETED = "completed"
         FAILED = "failed"
+        # Steep itself was stopped cleanly (Ctrl-C on ./steep up) while the run was active:
+        # not the run's fault; it resumes from its last checkpoint at the next start.
+        INTERRUPTED = "interrupted"
 
     class Mode(models.TextChoices):
         ONLINE = "online"
@@ -33,7 +36,7 @@ class Run(models.Model):
     )
     config = models.JSONField(default=dict)
     status = models.CharField(
-        max_length=10, choices=Status.choices, default=Status.DRAFT, db_index=True
+        max_length=20, choices=Status.choices, default=Status.DRAFT, db_index=True
     )
     step = models.PositiveIntegerField(default=0)
     weight_version = models.PositiveIntegerField(default=0)
@@ -51,6 +54,9 @@ class Run(models.Model):
     job_attempt = models.PositiveIntegerField(default=0)
     job_secret_hash = models.CharField(max_length=64, blank=True)
     job_log_tail = models.TextField(blank=True)
+    # Relaunches after a crash (the reconciler's) since the run was last started by hand;
+    # RUN_MAX_RESTARTS bounds it. Resuming an interrupted run does not count.
+    crash_restarts = models.PositiveIntegerField(default=0)
     created_at = models.DateTimeField(default=timezone.now)
     updated_at = models.DateTimeField(auto_now=True)
     queued_at = models.DateTimeField(null=True, blank=True)

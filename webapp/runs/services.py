@@ -15,15 +15,19 @@ from webapp.runs.models import Checkpoint, Run, RunEvent
 
 S = Run.Status
 
-# Legal moves. stopped/failed runs may be queued again (they resume from their last checkpoint).
+# Legal moves. stopped/failed/interrupted runs may be queued again (they resume from their
+# last checkpoint). interrupted: Steep was stopped cleanly under an active run
+# (webapp.runs.launching.runs_interrupt); it is queued again at the next start, and a stop
+# request keeps it stopped instead.
 TRANSITIONS: dict[str, set[str]] = {
     S.DRAFT: {S.QUEUED},
-    S.QUEUED: {S.STARTING, S.STOPPING, S.STOPPED, S.FAILED},
-    S.STARTING: {S.RUNNING, S.STOPPING, S.FAILED},
-    S.RUNNING: {S.STOPPING, S.COMPLETED, S.FAILED},
+    S.QUEUED: {S.STARTING, S.STOPPING, S.STOPPED, S.FAILED, S.INTERRUPTED},
+    S.STARTING: {S.RUNNING, S.STOPPING, S.FAILED, S.INTERRUPTED},
+    S.RUNNING: {S.STOPPING, S.COMPLETED, S.FAILED, S.INTERRUPTED},
     S.STOPPING: {S.STOPPED, S.FAILED},
     S.STOPPED: {S.QUEUED},
     S.FAILED: {S.QUEUED},
+    S.INTERRUPTED: {S.QUEUED, S.STOPPED},
     S.COMPLETED: set(),
 }
 
@@ -147,7 +151,11 @@ def run_transition(*, run: Run, to: str, message: str = "", error: str | None = 
 
 
 def run_start(*, run: Run) -> Run:
-    return run_queue(run=run, message="Start requested.")
+    """Queue the run at a user's request; it gets a fresh budget of crash restarts."""
+    run = run_queue(run=run, message="Start requested.")
+    Run.objects.filter(pk=run.pk).update(crash_restarts=0)
+    run.crash_restarts = 0
+    return run
 
 
 def run_queue(*, run: Run, message: str) -> Run:
@@ -161,9 +169,14 @@ def run_queue(*, run: Run, message: str) -> Run:
 
 
 def run_stop(*, run: Run) -> Run:
-    """Ask the job to stop; a worker's shutdown task stops it by force if it does not in time."""
+    """Ask the job to stop; a worker's shutdown task stops it by force if it does not in time.
+
+    An interrupted run has no job: it just stays stopped instead of resuming at the next start.
+    """
     from webapp.runs.tasks import run_shutdown
 
+    if run.status == S.INTERRUPTED:
+        return run_transition(run=run, to=S.STOPPED, message="Stop requested.")
     run = run_transition(run=run, to=S.STOPPING, message="Stop requested.")
     run_id = str(run.id)
     transaction.on_commit(lambda: run_shutdown.delay(run_id))
@@ -182,6 +195,7 @@ def run_mark_running(*, run: Run, message: str = "") -> Run:
         S.DRAFT: [S.QUEUED, S.STARTING, S.RUNNING],
         S.STOPPED: [S.QUEUED, S.STARTING, S.RUNNING],
         S.FAILED: [S.QUEUED, S.STARTING, S.RUNNING],
+        S.INTERRUPTED: [S.QUEUED, S.STARTING, S.RUNNING],
         S.QUEUED: [S.STARTING, S.RUNNING],
         S.STARTING: [S.RUNNING],
         S.RUNNING: [],

@@ -4,9 +4,14 @@ and calls one service in ``webapp.runs.launching``. The names are what the beat 
 
 from __future__ import annotations
 
+import logging
+
 from celery import shared_task
+from celery.signals import worker_ready
 
 from webapp.runs import demo_agent, launching
+
+logger = logging.getLogger(__name__)
 
 
 @shared_task(name="runs.launch")
@@ -27,3 +32,11 @@ def runs_reconcile() -> dict:
 @shared_task(name="runs.demo_agent")
 def demo_agent_play() -> dict:
     return demo_agent.demo_agent_play()
+
+
+@worker_ready.connect
+def runs_resume_at_start(**_) -> None:
+    """Runs interrupted by a clean stop of Steep resume when a worker starts again."""
+    resumed = launching.runs_resume()
+    if resumed:
+        logger.info("resuming %d interrupted run(s): %s", len(resumed), ", ".join(resumed))

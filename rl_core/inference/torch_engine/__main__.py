@@ -2,7 +2,8 @@
 
     python -m rl_core.inference.torch_engine --model-path PATH --port 30000 \\
         [--host 127.0.0.1] [--max-running-requests 32] [--weight-version 0] \\
-        [--num-threads N] [--dtype float32] [--device cpu] [--context-length N]
+        [--num-threads N] [--dtype float32] [--device cpu] [--context-length N] \\
+        [--parent-pid PID]
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ import argparse
 import logging
 import os
 import random
+import signal
+import threading
+import time
 
 import torch
 from aiohttp import web
@@ -61,11 +65,32 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--random-seed", type=int, default=None, help="Seed for requests without sampling_seed."
     )
     parser.add_argument("--log-level", default="info")
+    parser.add_argument(
+        "--parent-pid",
+        type=int,
+        default=None,
+        help="Shut down when this process, the one that started the server, is gone: the "
+        "server runs in a session of its own, so nothing else stops it when its owner is killed.",
+    )
     return parser.parse_args(argv)
+
+
+def _exit_with_parent(parent: int) -> None:
+    """SIGTERM ourselves (a graceful stop once serving) once ``parent`` is no longer our parent."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        logger.warning("the process that started this server (%d) exited: shutting down", parent)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def main(argv: list[str] | None = None) -> None:
     args = _parse_args(argv)
+    if args.parent_pid:
+        _exit_with_parent(args.parent_pid)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -1,0 +1,33 @@
+from pathlib import Path
+
+from django.conf import settings
+from django.core.management.base import BaseCommand
+
+from webapp.runs.launching import runs_interrupt
+from workers.ray_cluster import stop_local_cluster
+
+
+class Command(BaseCommand):
+    requires_system_checks: list[str] = []  # it runs while Ctrl-C waits: start fast
+    help = (
+        "Steep is stopping: mark active runs interrupted (they resume, without using their "
+        "RUN_MAX_RESTARTS, when a worker starts again) and stop their jobs. ./steep up runs it on Ctrl-C."
+    )
+
+    def add_arguments(self, parser):
+        parser.add_argument(
+            "--stop-local-ray",
+            action="store_true",
+            help="Then stop the local Ray head of DATA_DIR and the runs' inference servers "
+            "(by PID; nothing else is touched). Ignored with RAY_ADDRESS.",
+        )
+
+    def handle(self, *args, stop_local_ray=False, **options):
+        external = bool(settings.RAY_ADDRESS)
+        interrupted = runs_interrupt(stop_jobs=external)
+        if interrupted:
+            self.stdout.write(
+                f"{len(interrupted)} run(s) interrupted; they resume when Steep starts again."
+            )
+        if stop_local_ray and not external:
+            stop_local_cluster(data_dir=Path(settings.DATA_DIR))
