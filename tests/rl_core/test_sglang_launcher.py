@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 
@@ -90,6 +91,7 @@ def test_torch_engine_command_line(tiny_model_dir):
         "--max-running-requests": "8",
         "--dtype": "float32",
         "--device": "cpu",
+        "--parent-pid": str(os.getpid()),  # it exits when the process that starts it is gone
         "--num-threads": "3",
     }
 
