@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -207,6 +208,7 @@ def test_five_clean_stops_leave_nothing_behind_and_the_run_resumes_each_time(tmp
         for pid, start in seen.items():
             if start is not None and started(pid) == start:
                 os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(_ray_temp_dir(steep.data_dir), ignore_errors=True)  # the head's logs
 
 
 def create_run(steep: Steep) -> str:

@@ -3,12 +3,21 @@ restart budget, which is for crashes (``webapp.runs.launching``)."""
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
+from django.utils import timezone
 
 from webapp.gateway.models import InferenceServer, Session
 from webapp.gateway.services import inference_server_register
 from webapp.runs.jobs import job_claim_trajectories, job_report_status, job_submit_episodes
-from webapp.runs.launching import run_job_died, runs_interrupt, runs_resume
+from webapp.runs.launching import (
+    LAUNCH_TIMEOUT,
+    run_job_died,
+    runs_interrupt,
+    runs_reconcile,
+    runs_resume,
+)
 from webapp.runs.models import Run, RunEvent
 from webapp.runs.services import run_start, run_stop
 
@@ -169,3 +178,21 @@ def test_stopping_an_interrupted_run_keeps_it_from_resuming(
     run = set_status(make_run(project), S.INTERRUPTED)
     assert run_stop(run=run).status == S.STOPPED  # directly: it has no job to stop
     assert runs_resume() == []
+
+
+def test_a_launch_lost_long_ago_is_a_crash_and_one_under_way_is_left_alone(
+    project, make_run, set_status, no_launch
+):
+    # Starting without a job id: a worker is submitting the job (the previous attempt's id
+    # is cleared first), or was killed while it did.
+    under_way = set_status(make_run(project, name="under way"), S.STARTING)
+    lost = set_status(make_run(project, name="lost"), S.STARTING)
+    long_ago = timezone.now() - LAUNCH_TIMEOUT - timedelta(seconds=1)
+    Run.objects.filter(pk=lost.pk).update(updated_at=long_ago)
+
+    assert runs_reconcile() == {"restarted": 1, "failed": 0}
+
+    under_way.refresh_from_db()
+    lost.refresh_from_db()
+    assert under_way.status == S.STARTING
+    assert lost.status == S.QUEUED and lost.crash_restarts == 1

@@ -10,8 +10,10 @@ import logging
 import sys
 import time
 from collections.abc import Callable
+from datetime import timedelta
 
 from django.conf import settings
+from django.utils import timezone
 
 from webapp.gateway.models import InferenceServer
 from webapp.runs.jobs import job_release, job_secret_issue
@@ -32,6 +34,9 @@ logger = logging.getLogger(__name__)
 
 S = Run.Status
 JOB_ENDED = ("STOPPED", "SUCCEEDED", "FAILED", "MISSING")
+# A launch takes minutes at most (a new local head, its job agent): a run starting for
+# longer without a job lost its launch.
+LAUNCH_TIMEOUT = timedelta(minutes=10)
 
 
 def _cluster() -> RayCluster:
@@ -45,6 +50,9 @@ def _cluster() -> RayCluster:
 
 
 def _submit(run: Run) -> str:
+    # The previous attempt's job id goes first: until the new job is submitted, the
+    # reconciler would find that one gone and take the starting run for a crashed one.
+    Run.objects.filter(pk=run.pk).update(job_id="")
     run = run_transition(run=run, to=S.STARTING, message="A worker is submitting the run to Ray.")
     InferenceServer.objects.filter(run=run).delete()  # servers of a previous attempt are gone
     job_release(run=run)
@@ -146,6 +154,14 @@ def runs_reconcile() -> dict:
     ``run_job_died``. (A clean stop of Steep makes its runs ``interrupted`` first, so they are
     not seen here: see ``runs_interrupt``.)"""
     summary = {"restarted": 0, "failed": 0}
+    # A launch that never got its job submitted (its worker was killed meanwhile).
+    lost = Run.objects.filter(
+        status=S.STARTING, job_id="", updated_at__lt=timezone.now() - LAUNCH_TIMEOUT
+    )
+    for run in lost:
+        outcome = run_job_died(run=run, state="NEVER SUBMITTED")
+        if outcome in summary:
+            summary[outcome] += 1
     active = Run.objects.filter(status__in=[S.STARTING, S.RUNNING]).exclude(job_id="")
     if not active.exists():
         return summary
