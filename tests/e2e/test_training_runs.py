@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import statistics
-import subprocess
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -243,6 +245,21 @@ def test_online_agents_train_while_running_within_the_staleness_bound(stack, res
         )
 
 
+def _pids_whose_command_has(fragment: str) -> list[int]:
+    """The processes whose command line contains ``fragment`` (read from /proc)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # gone meanwhile
+            continue
+        if fragment in command:
+            pids.append(int(entry.name))
+    return pids
+
+
 def test_a_killed_job_is_restarted_from_its_checkpoint_without_losing_trajectories(stack, rest):
     from webapp.gateway.models import Session
     from webapp.runs.models import Run
@@ -251,10 +268,10 @@ def test_a_killed_job_is_restarted_from_its_checkpoint_without_losing_trajectori
     assert rest.post(f"/runs/{run['id']}/start/").status_code == 202
     wait_for(lambda: run_state(rest, run["id"])["step"] >= 4, 300, f"4 steps\n{stack.log_tail()}")
     # A crash, not a stop: the job's driver process dies without reporting anything.
-    killed = subprocess.run(
-        ["pkill", "-9", "-f", f"workers.ray_job --run-id {run['id']}"], check=False
-    )
-    assert killed.returncode == 0, "the job's driver process was running"
+    drivers = _pids_whose_command_has(f"workers.ray_job --run-id {run['id']}")
+    assert drivers, "the job's driver process was running"
+    for pid in drivers:  # by PID: nothing but this run's driver (the run id is unique)
+        os.kill(pid, signal.SIGKILL)
 
     wait_for(
         lambda: Run.objects.get(pk=run["id"]).job_attempt >= 2,
