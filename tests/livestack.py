@@ -27,7 +27,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -36,6 +35,8 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+from rl_core.inference.process import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,13 +55,6 @@ _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 class StackError(RuntimeError):
     """A process of the stack did not come up (its log tail is in the message)."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` right now."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def wait_for(check: Callable[[], Any], timeout: float, what: str, *, interval: float = 0.5):
