@@ -39,6 +39,14 @@ def _config_field(spec):
     return raw(required=bool(spec.metadata.get("required")), help_text=spec.metadata["help"])
 
 
+def _refuse_unknown_fields(serializer: serializers.Serializer) -> None:
+    """A 400 naming each field of the body that ``serializer`` does not have (a typo in a
+    setting's name must not be ignored silently)."""
+    unknown = sorted(set(serializer.initial_data) - set(serializer.fields))
+    if unknown:
+        raise serializers.ValidationError({key: [f"Unknown field '{key}'."] for key in unknown})
+
+
 class RunCreateInput(serializers.Serializer):
     """``name``, optional ``dataset`` id, and any ``RunConfig`` setting as a top-level field."""
 
@@ -57,9 +65,7 @@ class RunCreateInput(serializers.Serializer):
         return fields
 
     def validate(self, attrs):
-        unknown = sorted(set(self.initial_data) - set(self.fields))
-        if unknown:
-            raise serializers.ValidationError({key: [f"Unknown field '{key}'."] for key in unknown})
+        _refuse_unknown_fields(self)
         settings = {name: attrs[name] for name in CONFIG_FIELDS if name in attrs}
         try:
             attrs["config"] = RunConfig.from_dict(settings)
@@ -207,9 +213,7 @@ class RunCloneInput(serializers.Serializer):
     )
 
     def validate(self, attrs):
-        unknown = sorted(set(self.initial_data) - set(self.fields))
-        if unknown:
-            raise serializers.ValidationError({key: [f"Unknown field '{key}'."] for key in unknown})
+        _refuse_unknown_fields(self)
         return attrs
 
 
