@@ -8,6 +8,7 @@ validated in exactly one place. This module imports nothing heavy (no torch).
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 from collections.abc import Mapping
@@ -22,6 +23,10 @@ RATIO_LEVELS = ("token", "sequence")
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean")
 KL_ESTIMATORS = ("k1", "k3")
 LR_SCHEDULES = ("constant", "linear", "cosine")
+PRECISIONS = ("auto", "fp32", "bf16")
+# What lora_target_modules = [] means: peft's shorthand for every linear layer of the
+# attention and MLP blocks (the output head excluded).
+LORA_ALL_LINEAR = "all-linear"
 
 _DOTTED_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
@@ -109,6 +114,50 @@ class RunConfig:
         8192,
         "Token budget of one packed micro-batch (gradient accumulation splits above it).",
         min=16,
+    )
+    # Trainer scale and memory (the run form's advanced section)
+    train_workers: int = _f(
+        1,
+        "Trainer processes, each a Ray actor (one GPU each on a GPU cluster); above 1 they shard parameters and optimizer state with FSDP2 and split every minibatch by token count.",
+        min=1,
+        advanced=True,
+    )
+    precision: str = _f(
+        "auto",
+        "Training precision: auto = bf16 compute with float32 master weights and optimizer state on CUDA, fp32 on CPU; bf16 needs GPUs.",
+        choices=PRECISIONS,
+        advanced=True,
+    )
+    gradient_checkpointing: bool = _f(
+        False,
+        "Recompute activations in the backward pass: less memory per token, about a third more compute.",
+        advanced=True,
+    )
+    lora_rank: int = _f(
+        0,
+        "LoRA adapter rank (0 = full fine-tuning). With LoRA only the adapter is trained and checkpointed; the base weights never change.",
+        min=0,
+        advanced=True,
+    )
+    lora_alpha: float = _f(
+        16.0,
+        "LoRA scaling numerator: the adapter's update is scaled by lora_alpha / lora_rank.",
+        min=0.0,
+        min_exclusive=True,
+        advanced=True,
+    )
+    lora_target_modules: list = _f(
+        [],
+        'Names of the modules that get an adapter, e.g. ["q_proj", "v_proj"]; empty = every linear layer of the attention and MLP blocks.',
+        advanced=True,
+    )
+    lora_dropout: float = _f(
+        0.0,
+        "Dropout on the adapter's input while training (0 keeps the recomputed logprobs deterministic).",
+        min=0.0,
+        max=1.0,
+        max_exclusive=True,
+        advanced=True,
     )
     # Loss
     advantage: str = _f(
@@ -243,11 +292,26 @@ class RunConfig:
                 "batch_size",
                 f"In dataset mode batch_size ({self.batch_size}) must be a multiple of group_size ({self.group_size}) so groups are trained whole.",
             )
+        if self.lora_target_modules and not self.lora_rank:
+            bad(
+                "lora_target_modules",
+                "lora_target_modules only applies with LoRA: set lora_rank above 0, or leave the list empty.",
+            )
+        if LORA_ALL_LINEAR in self.lora_target_modules and len(self.lora_target_modules) > 1:
+            bad(
+                "lora_target_modules",
+                f'"{LORA_ALL_LINEAR}" means every linear layer; list module names or use it alone.',
+            )
         if errors:
             raise ConfigError(errors)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @property
+    def lora_targets(self) -> list[str] | str:
+        """What peft's ``target_modules`` gets: the listed names, else every linear layer."""
+        return list(self.lora_target_modules) or LORA_ALL_LINEAR
 
     @property
     def resolved_advantage(self) -> str:
@@ -264,7 +328,10 @@ def stored_setting(config: Mapping[str, Any], name: str) -> Any:
     value = config.get(name)
     if value is not None:
         return value
-    f = _FIELDS[name]
+    return _default(_FIELDS[name])
+
+
+def _default(f: dataclasses.Field) -> Any:
     return f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc,operator]
 
 
@@ -335,6 +402,14 @@ def _coerce(f: dataclasses.Field, value: Any) -> Any:
         if choices and value not in choices:
             raise ValueError(f"{f.name} must be one of {', '.join(choices)}; got {value!r}.")
         return value
+    if base == "list":
+        if isinstance(value, str):  # "q_proj, v_proj" from a form or a shell
+            value = [part.strip() for part in value.split(",") if part.strip()]
+        if not isinstance(value, list) or not all(isinstance(v, str) and v.strip() for v in value):
+            raise ValueError(
+                f'{f.name} must be a list of names, e.g. ["q_proj", "v_proj"]; got {value!r}.'
+            )
+        return [v.strip() for v in value]
     if base == "dict":
         if not isinstance(value, dict):
             raise ValueError(f"{f.name} must be a JSON object; got {type(value).__name__}.")
@@ -349,8 +424,65 @@ def _check_bounds(name: str, value: float, meta: Any) -> None:
             raise ValueError(f"{name} must be greater than {low}; got {value}.")
         if value < low:
             raise ValueError(f"{name} must be at least {low}; got {value}.")
-    if high is not None and value > high:
-        raise ValueError(f"{name} must be at most {high}; got {value}.")
+    if high is not None:
+        if meta.get("max_exclusive") and value >= high:
+            raise ValueError(f"{name} must be less than {high}; got {value}.")
+        if value > high:
+            raise ValueError(f"{name} must be at most {high}; got {value}.")
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(RunConfig)}
+
+
+def settings_markdown() -> str:
+    """The reference of every run setting (docs/run-settings.md is this, kept in step by a test)."""
+    lines = [
+        "# Run settings",
+        "",
+        "Every setting of a training run: a top-level field of `POST /api/v1/runs/`, a field of",
+        "the dashboard's run form (the advanced ones folded under *Advanced*), and of",
+        "`rl_core.config.RunConfig`, which validates them for both. Generated from `RunConfig`",
+        "by `python -m rl_core.config`; do not edit by hand.",
+        "",
+        "| setting | type | default | allowed | meaning |",
+        "|---|---|---|---|---|",
+    ]
+    for f in dataclasses.fields(RunConfig):
+        meta = f.metadata
+        kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+        shown = "required" if meta.get("required") else f"`{_json(_default(f))}`"
+        lines.append(
+            f"| `{f.name}` | {_JSON_TYPES[kind.replace(' | None', '')]}{' or null' if 'None' in kind else ''} | {shown} | {_allowed(meta)} |"
+            f" {meta['help']}{' (advanced)' if meta.get('advanced') else ''} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+_JSON_TYPES = {
+    "str": "string",
+    "int": "integer",
+    "float": "number",
+    "bool": "boolean",
+    "dict": "object",
+    "list": "array of strings",
+}
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value)
+
+
+def _allowed(meta: Mapping[str, Any]) -> str:
+    if meta.get("choices"):
+        return ", ".join(f"`{c}`" for c in meta["choices"])
+    low, high = meta.get("min"), meta.get("max")
+    parts = []
+    if low is not None:
+        parts.append(f"{'>' if meta.get('min_exclusive') else '≥'} {low}")
+    if high is not None:
+        parts.append(f"{'<' if meta.get('max_exclusive') else '≤'} {high}")
+    return ", ".join(parts)
+
+
+if __name__ == "__main__":
+    print(settings_markdown(), end="")

@@ -2,11 +2,11 @@
 
 Sequences are concatenated into one row ``[1, T_total]``; ``position_ids`` restart
 at 0 for each sequence and ``cu_seqlens`` holds the boundaries. Attention must not
-cross sequences: flash-attention kernels read the boundaries from ``position_ids``;
-for the sdpa/eager paths (CPU, and GPUs without flash-attn) we pass an explicit 4-D
-block-diagonal causal mask, which transformers uses unchanged. Recent transformers
-releases infer that mask from ``position_ids`` themselves, but not every version
-pyproject allows does, and without it sequences silently attend to each other.
+cross sequences: a model loaded with a packed attention implementation
+(``rl_core.attention``; the trainer's are) reads the boundaries and attends within
+each sequence, in memory that never grows with ``T^2``. Any other model (sdpa/eager)
+gets an explicit dense 4-D block-diagonal causal mask: correct, but ``T x T``; it is
+kept as the benchmark's "before" baseline (``bench/train_step.py``).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rl_core.attention import PACKED_IMPLEMENTATIONS, packed_attention_kwargs
 from rl_core.types import Trajectory
 
 
@@ -114,7 +115,8 @@ def micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
 def block_causal_mask(cu_seqlens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Additive attention mask ``[1, 1, T, T]``: 0 where a token may attend (same sequence,
     not in the future), the dtype's minimum elsewhere. Additive floats work for both
-    the eager path (adds the mask) and sdpa."""
+    the eager path (adds the mask) and sdpa. O(T^2): only for models without packed
+    attention (the benchmark's dense baseline)."""
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()  # [S]
     seq = torch.repeat_interleave(
         torch.arange(len(lengths), device=cu_seqlens.device), lengths
@@ -144,7 +146,9 @@ def packed_logprobs(
     """
     ids, pos = batch.input_ids, batch.position_ids  # [1, T], [1, T]
     kwargs: dict = {"position_ids": pos, "use_cache": False}
-    if not str(getattr(model.config, "_attn_implementation", "")).startswith("flash"):
+    if getattr(model.config, "_attn_implementation", None) in PACKED_IMPLEMENTATIONS:
+        kwargs.update(packed_attention_kwargs(batch.cu_seqlens))
+    else:
         kwargs["attention_mask"] = block_causal_mask(
             batch.cu_seqlens, next(model.parameters()).dtype
         )

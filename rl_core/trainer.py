@@ -5,12 +5,14 @@ advantages → pack → proximal (and reference) logprobs →
 per minibatch: micro-batches with gradient accumulation → all-reduce →
 clip → optimizer step; then the LR schedule and ``version += 1``.
 
-Data parallel: when ``torch.distributed`` is initialised (by ``torchrun``, Ray
-Train, or a test), every rank calls ``train_step`` with the *same* full batch.
-Advantages need whole groups, so each rank computes them for the whole batch,
-then trains on its shard of every minibatch; gradients are summed across ranks
-(the loss is already divided by the whole minibatch's token count), so N ranks
-take exactly the step one process would take on the whole batch.
+Data parallel: when ``torch.distributed`` is initialised (by ``workers.trainer_group``'s
+Ray actors, ``torchrun``, or a test), every rank calls ``train_step`` with the *same*
+full batch. Advantages need whole groups, so each rank computes them for the whole
+batch, then trains on its token-balanced shard of every minibatch; gradients are summed
+across ranks (the loss is already divided by the whole minibatch's token count), so N
+ranks take exactly the step one process would take on the whole batch. With
+``train_workers > 1`` the model is sharded with FSDP2 (``rl_core.distributed``), which
+reduces the gradients itself; otherwise ``_all_reduce_grads`` sums full replicas' ones.
 """
 
 from __future__ import annotations
@@ -29,28 +31,33 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from packaging.version import Version
 
+from rl_core import lora
 from rl_core.advantages import token_advantages
+from rl_core.attention import packed_attention_implementation
 from rl_core.config import RunConfig
+from rl_core.distributed import (
+    broadcast_from_rank0,
+    full_model_state,
+    full_optimizer_state,
+    load_full_state,
+    on_rank0,
+    optimizer_state_by_index,
+    optimizer_state_by_name,
+    rank_micro_batches,
+    shard_model,
+)
+from rl_core.hf import TOKENIZER_FILES, config_dtype
 from rl_core.loss import LossConfig, ppo_loss
+from rl_core.memory import PeakMemory, enable_activation_checkpointing, resolve_precision
 from rl_core.metrics import PhaseTimer, StatsAccumulator
-from rl_core.packing import PackedBatch, micro_batches, pack, packed_logprobs
+from rl_core.packing import PackedBatch, pack, packed_logprobs
 from rl_core.types import Trajectory
 
 logger = logging.getLogger(__name__)
 
 TRAINER_STATE = "trainer_state.pt"
 _BUCKET_NUMEL = 32 * 1024 * 1024  # gradient values all-reduced at once (128 MiB in float32)
-_TOKENIZER_FILES = (
-    "tokenizer*",
-    "special_tokens_map.json",
-    "vocab*",
-    "merges.txt",
-    "*.jinja",
-    "chat_template*",
-    "*.model",
-)
 
 
 def lr_factor(step: int, schedule: str, warmup_steps: int, total_steps: int) -> float:
@@ -71,45 +78,14 @@ def lr_factor(step: int, schedule: str, warmup_steps: int, total_steps: int) -> 
     raise ValueError(f"unknown lr_schedule {schedule!r}; use constant, linear or cosine")
 
 
-def _dtype_kwargs(dtype: torch.dtype) -> dict[str, Any]:
-    import transformers
-
-    # `dtype` replaced `torch_dtype` in transformers 4.56; older releases ignore it.
-    key = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
-    return {key: dtype}
-
-
-def load_causal_lm(path: str | os.PathLike, dtype: torch.dtype, device: torch.device) -> Any:
-    """A HF causal LM from a local directory (or hub id), dropout disabled.
-
-    Dropout off keeps θ == p at the start of a step (ratio exactly 1) and makes the
-    recomputed logprobs deterministic; RL fine-tuning does not want it anyway.
-    """
-    from transformers import AutoModelForCausalLM
-
-    model: Any = AutoModelForCausalLM.from_pretrained(str(path), **_dtype_kwargs(dtype))
-    model.to(device)
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-    return model
-
-
-def _config_dtype(path: str | os.PathLike) -> torch.dtype:
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.from_pretrained(str(path))
-    dtype = cfg.__dict__.get("dtype") or cfg.__dict__.get("torch_dtype")
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
-    return dtype if isinstance(dtype, torch.dtype) else torch.float32
-
-
 class PPOTrainer:
     """Decoupled-PPO trainer for any HF causal LM at a local path.
 
     Parameters and optimizer state stay in float32 (bf16 AdamW updates of a 1e-5
-    learning rate round to nothing); on CUDA the forward runs under bf16 autocast.
+    learning rate round to nothing); with ``precision`` bf16 (``auto`` on CUDA) the
+    forward runs under bf16 autocast (``self.precision`` is the resolved ``"fp32"`` or
+    ``"bf16"``). Packed micro-batches use padding-free attention (``rl_core.attention``).
+    With ``lora_rank > 0`` only a LoRA adapter is trained (``rl_core.lora``).
     """
 
     def __init__(
@@ -135,16 +111,27 @@ class PPOTrainer:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         # What inference servers get: the base model's dtype, also when starting from a
         # (float32) checkpoint of another run.
-        self.save_dtype = _config_dtype(cfg.base_model if cfg.init_checkpoint else self.model_path)
-        self.model = load_causal_lm(self.model_path, torch.float32, self.device)
+        self.save_dtype = config_dtype(cfg.base_model if cfg.init_checkpoint else self.model_path)
+        self.lora = cfg.lora_rank > 0
+        attention = packed_attention_implementation(self.device)
+        self.model = lora.load_policy(self.model_path, cfg, torch.float32, self.device, attention)
         self.model.train()
-        self.autocast_dtype = torch.bfloat16 if self.device.type == "cuda" else None
-        self.ref_model = None
-        if cfg.kl_coef > 0:
-            self.ref_model = load_causal_lm(
-                self.model_path, self.autocast_dtype or torch.float32, self.device
+        if cfg.gradient_checkpointing:
+            enable_activation_checkpointing(self.model)
+        self.precision = resolve_precision(cfg.precision, self.device)
+        self.autocast_dtype = torch.bfloat16 if self.precision == "bf16" else None
+        self.ref_model = None  # with LoRA the reference is the model with its adapter off
+        if cfg.kl_coef > 0 and not self.lora:
+            self.ref_model = lora.load_policy(
+                self.model_path, cfg, self.autocast_dtype or torch.float32, self.device, attention
             )
             self.ref_model.eval().requires_grad_(False)
+        # More than one trainer process: FSDP2 shards parameters, gradients and optimizer state.
+        self.fsdp = self.distributed and self.world_size > 1 and cfg.train_workers > 1
+        if self.fsdp:
+            shard_model(self.model, param_dtype=self.autocast_dtype)
+            if self.ref_model is not None:
+                shard_model(self.ref_model)
 
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
@@ -178,6 +165,7 @@ class PPOTrainer:
             raise ValueError("train_step needs at least one trajectory")
         cfg = self.cfg
         timer = PhaseTimer(sync_cuda=self.device.type == "cuda")
+        memory = PeakMemory(self.device).start()
         started = time.perf_counter()
         batch = list(trajectories)
         lags = [self.version - t.oldest_version for t in batch]
@@ -208,10 +196,11 @@ class PPOTrainer:
                         mb.extra["proximal"] = packed_logprobs(
                             self.model, mb, temperature=self.temperature
                         )[0]
-                    if self.ref_model is not None:
-                        mb.extra["ref"] = packed_logprobs(
-                            self.ref_model, mb, temperature=self.temperature
-                        )[0]
+                    if cfg.kl_coef > 0:
+                        with lora.reference(self.model, self.ref_model) as ref:
+                            mb.extra["ref"] = packed_logprobs(
+                                ref, mb, temperature=self.temperature
+                            )[0]
 
         acc = StatsAccumulator()
         losses, grad_norms, skipped = [], [], 0
@@ -226,7 +215,7 @@ class PPOTrainer:
                     acc.add(loss_stats, weight=loss_stats["ppo/n_tokens"])
             losses.append(loss_sum)
             with timer.phase("optimizer_step"):
-                if self.distributed:
+                if self.distributed and not self.fsdp:  # FSDP2 reduced them in backward
                     self._all_reduce_grads()
                 max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm).item()
@@ -261,6 +250,7 @@ class PPOTrainer:
                 "ppo/lr": lr,
                 "perf/tokens_per_s": tokens / elapsed,
                 "perf/step_s": elapsed,
+                "perf/peak_memory_gb": memory.peak_gb(),
                 "version": float(self.version),
                 **timer.stats(),
             }
@@ -272,8 +262,10 @@ class PPOTrainer:
     ) -> list[tuple[float, list[PackedBatch]]]:
         """Minibatches as ``(normalizer, this rank's packed micro-batches)``.
 
-        The minibatch order is a permutation seeded by (seed, version): the same on
-        every rank and again after resuming from a checkpoint.
+        Each minibatch's sequences are split over the ranks by token count
+        (``rl_core.distributed.rank_micro_batches``). The minibatch order is a
+        permutation seeded by (seed, version): the same on every rank and again after
+        resuming from a checkpoint.
         """
         cfg = self.cfg
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.version)
@@ -287,14 +279,20 @@ class PPOTrainer:
                 normalizer = float(len(members))
             else:  # token 0 of a sequence is never trained (see pack)
                 normalizer = float(sum(sum(batch[i].loss_mask[1:]) for i in members))
-            shard = members[self.rank :: self.world_size]
-            lengths = [len(batch[i].input_ids) for i in shard]
+            lengths = [len(batch[i].input_ids) for i in members]
+            groups, most = rank_micro_batches(
+                lengths, self.world_size, self.rank, cfg.micro_batch_tokens
+            )
+            extra = {"advantages": advantages}
             micro = [
-                pack(batch, [shard[j] for j in group], extra={"advantages": advantages}).to(
-                    self.device
-                )
-                for group in micro_batches(lengths, cfg.micro_batch_tokens)
+                pack(batch, [members[j] for j in g], extra=extra).to(self.device) for g in groups
             ]
+            if self.fsdp and len(micro) < most:
+                # FSDP2 runs collectives in every forward and backward: match the busiest
+                # rank with a micro-batch that trains nothing (no token in its loss mask).
+                padding = pack(batch, [min(members, key=lambda i: len(batch[i].input_ids))], extra)
+                padding.loss_mask.zero_()
+                micro += [padding.to(self.device)] * (most - len(micro))
             plan.append((normalizer, micro))
         return plan
 
@@ -351,18 +349,29 @@ class PPOTrainer:
     def save_weights(self, path: str | os.PathLike) -> str:
         """HF-format weights (safetensors, in the base model's dtype) + config + tokenizer.
 
-        Loadable by ``from_pretrained`` and by SGLang's ``/update_weights_from_disk``.
-        Written atomically by rank 0; every rank must call it. Returns the directory.
+        Loadable by ``from_pretrained`` and by SGLang's ``/update_weights_from_disk``; a LoRA
+        run's adapter is merged in. Written atomically by rank 0; every rank must call it.
+        Returns the directory.
         """
-        state = {k: v.detach().to(self.save_dtype) for k, v in self.model.state_dict().items()}
+        if self.lora:  # under FSDP2 the merge reads the full state gathered onto rank 0
+            full = full_model_state(self.model) if self.fsdp else None
+            state = lora.merged_state_dict(self.model, self.save_dtype, full)
+            return self._save(Path(path), state, self.save_dtype, extra=None)
+        state = {k: v.detach().to(self.save_dtype) for k, v in self._model_state().items()}
         return self._save(Path(path), state, self.save_dtype, extra=None)
 
     def save_checkpoint(self, path: str | os.PathLike) -> str:
-        """Everything needed to resume exactly: float32 weights, tokenizer, optimizer,
-        LR schedule, policy version and RNG states. Rank 0 writes; every rank must call it."""
+        """Everything needed to resume exactly: float32 weights (a LoRA run's: the adapter
+        only), tokenizer, optimizer (keyed by parameter name, so any number of workers can
+        resume it), LR schedule, policy version and RNG states. Rank 0 writes; every rank
+        must call it."""
         extra = {
             "version": self.version,
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": (
+                full_optimizer_state(self.model, self.optimizer)
+                if self.fsdp
+                else optimizer_state_by_name(self.optimizer.state_dict(), self._param_names())
+            ),
             "scheduler": self.scheduler.state_dict(),
             "rng": {
                 "torch": torch.get_rng_state(),
@@ -371,25 +380,47 @@ class PPOTrainer:
             },
             "config": self.cfg.to_dict(),
         }
-        state = {k: v.detach() for k, v in self.model.state_dict().items()}
+        if self.lora:
+            adapter = full_model_state(self.model, trainable_only=True) if self.fsdp else None
+            return self._save(Path(path), None, torch.float32, extra=extra, adapter=adapter)
+        state = {k: v.detach() for k, v in self._model_state().items()}
         return self._save(Path(path), state, torch.float32, extra=extra)
 
+    def _param_names(self) -> list[str]:
+        # The optimizer's parameters (self.params), in its order.
+        return [n for n, p in self.model.named_parameters() if p.requires_grad]
+
+    def _model_state(self) -> dict[str, torch.Tensor]:
+        # Under FSDP2 a collective: the full tensors land on rank 0's CPU, the only writer.
+        return full_model_state(self.model) if self.fsdp else self.model.state_dict()
+
     def _save(
-        self, path: Path, state: dict[str, torch.Tensor], dtype: torch.dtype, extra: dict | None
+        self,
+        path: Path,
+        state: dict[str, torch.Tensor] | None,
+        dtype: torch.dtype,
+        extra: dict | None,
+        adapter: dict[str, torch.Tensor] | None = None,
     ) -> str:
+        """``state`` as an HF model folder (``None``: the LoRA adapter, from ``adapter`` when
+        the model is sharded) + tokenizer + ``extra``."""
         if self.rank == 0:
             # Write beside the target and swap in, so a crash never leaves a half-written directory.
             tmp = path.with_name(path.name + ".tmp")
             shutil.rmtree(tmp, ignore_errors=True)
-            self.model.save_pretrained(tmp, state_dict=state)
+            if state is None:
+                lora.save_adapter(self.model, tmp, adapter)
+            else:
+                lora.hf_model(self.model).save_pretrained(tmp, state_dict=state)
             self._save_tokenizer(tmp)
             # save_pretrained records the in-memory (float32) dtype; record the tensors' dtype.
             config_file = tmp / "config.json"
-            config = json.loads(config_file.read_text())
-            for key in ("dtype", "torch_dtype"):
-                if key in config:
-                    config[key] = str(dtype).removeprefix("torch.")
-            config_file.write_text(json.dumps(config, indent=2))
+            if config_file.exists():
+                config = json.loads(config_file.read_text())
+                for key in ("dtype", "torch_dtype"):
+                    if key in config:
+                        config[key] = str(dtype).removeprefix("torch.")
+                config_file.write_text(json.dumps(config, indent=2))
             if extra is not None:
                 torch.save(extra, tmp / TRAINER_STATE)
             old = path.with_name(path.name + ".old")
@@ -407,7 +438,7 @@ class PPOTrainer:
         # an inference server pinned to another version may not read.
         source = Path(self.model_path)
         files = (
-            [f for pattern in _TOKENIZER_FILES for f in source.glob(pattern)]
+            [f for pattern in TOKENIZER_FILES for f in source.glob(pattern)]
             if source.is_dir()
             else []
         )
@@ -417,16 +448,51 @@ class PPOTrainer:
             shutil.copy2(f, directory / f.name)
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
-        """Restore a ``save_checkpoint`` directory: the next ``train_step`` continues the run exactly."""
-        from safetensors.torch import load_file
+        """Restore a ``save_checkpoint`` directory: the next ``train_step`` continues the run exactly.
 
+        Under FSDP2 only rank 0 reads the files and broadcasts them (every rank must call it).
+        """
         path = Path(path)
-        files = sorted(path.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors weights in checkpoint {path}")
-        state: dict[str, torch.Tensor] = {}
-        for f in files:
-            state.update(load_file(str(f), device=str(self.device)))
+        if lora.is_lora_checkpoint(path) and not self.lora:
+            raise ValueError(
+                f"{path} is a LoRA checkpoint; resume it with the run's lora_rank, "
+                "or start a full fine-tuning run from it with init_checkpoint."
+            )
+        names = self._param_names()
+        if self.fsdp:
+            nothing: tuple[dict[str, torch.Tensor], dict[str, Any]] = ({}, {})
+            state, extra = on_rank0(lambda: self._read_for_shards(path, names), nothing)
+            # A LoRA checkpoint holds the adapter only: the frozen base weights stay.
+            optimizer_state = extra.pop("optimizer", {})
+            load_full_state(
+                self.model, self.optimizer, state, optimizer_state, strict=not self.lora
+            )
+            extra = broadcast_from_rank0(extra)
+        else:
+            if self.lora:
+                lora.load_adapter(self.model, path)
+            else:
+                self._load_weights(path)
+            extra = _read_trainer_state(path)
+            self.optimizer.load_state_dict(optimizer_state_by_index(extra["optimizer"], names))
+        self.scheduler.load_state_dict(extra["scheduler"])
+        self.version = int(extra["version"])
+        torch.set_rng_state(extra["rng"]["torch"])
+        if extra["rng"]["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(extra["rng"]["cuda"])
+        random.setstate(_as_random_state(extra["rng"]["python"]))
+
+    def _read_for_shards(
+        self, path: Path, names: list[str]
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        # Rank 0's part of loading a checkpoint into a sharded model.
+        state = lora.read_adapter(self.model, path) if self.lora else _read_weights(path)
+        extra = _read_trainer_state(path)
+        extra["optimizer"] = optimizer_state_by_name(extra["optimizer"], names)
+        return state, extra
+
+    def _load_weights(self, path: Path) -> None:
+        state = _read_weights(path, str(self.device))
         missing, unexpected = self.model.load_state_dict(state, strict=False)
         # Tied weights (e.g. lm_head = embed_tokens) are saved once; anything else missing is an error.
         loaded_ptrs = {t.data_ptr() for k, t in self.model.state_dict().items() if k in state}
@@ -435,14 +501,22 @@ class PPOTrainer:
             raise RuntimeError(
                 f"checkpoint {path} does not match the model: missing {untied}, unexpected {unexpected}"
             )
-        extra = torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=True)
-        self.optimizer.load_state_dict(extra["optimizer"])
-        self.scheduler.load_state_dict(extra["scheduler"])
-        self.version = int(extra["version"])
-        torch.set_rng_state(extra["rng"]["torch"])
-        if extra["rng"]["cuda"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(extra["rng"]["cuda"])
-        random.setstate(_as_random_state(extra["rng"]["python"]))
+
+
+def _read_weights(path: Path, device: str = "cpu") -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in checkpoint {path}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f), device=device))
+    return state
+
+
+def _read_trainer_state(path: Path) -> dict[str, Any]:
+    return torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=True)
 
 
 def _all_reduce_bucket(grads: list[torch.Tensor]) -> None:

@@ -117,7 +117,7 @@ def steep_env(
     """The environment of a Steep process: this one's, on ``data_dir``, with the given
     database and Redis (the embedded SQLite / broker when empty) and ``extra`` on top.
 
-    ``local_ray``: the worker starts its own Ray head on free ports with 4 CPUs (one torch
+    ``local_ray``: the worker starts its own Ray head on free ports with 8 logical CPUs (three runs: a trainer worker and a torch engine each, with room) (one torch
     thread per process), never an external ``RAY_ADDRESS``.
     """
     env = {k: v for k, v in os.environ.items() if k not in _SERVICE_VARIABLES}
@@ -138,7 +138,7 @@ def steep_env(
             RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
             RAY_LOCAL_DASHBOARD_PORT=str(free_port()),
             RAY_LOCAL_GCS_PORT=str(free_port()),
-            RAY_NUM_CPUS="4",
+            RAY_NUM_CPUS="8",
             STEEP_TORCH_THREADS="1",
         )
     env.update(extra)

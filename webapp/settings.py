@@ -198,6 +198,8 @@ INTERNAL_API_LONG_POLL_S = envint("INTERNAL_API_LONG_POLL_S", 30, minimum=0)
 RUN_MAX_RESTARTS = envint("RUN_MAX_RESTARTS", 3, minimum=0)
 # torch threads per inference server / trainer process in a run's job.
 STEEP_TORCH_THREADS = envint("STEEP_TORCH_THREADS", 1, minimum=1)
+# How long a run's trainer workers wait for free GPUs (CPUs) before the run fails.
+STEEP_PLACEMENT_TIMEOUT_S = envint("STEEP_PLACEMENT_TIMEOUT_S", 600, minimum=1)
 
 # The demo `./steep up` sets up: its model (offered first as a run's base_model) and the
 # demo agent that keeps its online run busy (webapp.runs.demo_agent).

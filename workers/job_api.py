@@ -75,6 +75,14 @@ class InternalAPI:
             )
         )["status"]
 
+    async def report_cluster(self, resources: dict[str, float]) -> None:
+        """The cluster's total GPUs and CPUs, which the web app checks new runs against."""
+        await self.call(
+            "POST",
+            "cluster",
+            {"gpus": float(resources.get("GPU", 0)), "cpus": float(resources.get("CPU", 0))},
+        )
+
     async def register_server(self, url: str, backend: str) -> None:
         await self.call("POST", "servers", {"url": url, "backend": backend})
 

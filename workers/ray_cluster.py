@@ -30,6 +30,7 @@ class RayUnavailable(RuntimeError):
 
 
 AGENT_WAIT_S = 60.0
+LOCAL_MIN_CPUS = 8  # what a local head offers at least (without RAY_NUM_CPUS)
 
 
 @dataclass
@@ -147,7 +148,10 @@ def _ensure_local_head(
         "--ray-client-server-port",
         str(free_port()),
         "--num-cpus",
-        str(num_cpus or os.cpu_count() or 2),
+        # Logical CPUs are admission tokens: a run takes one per trainer worker and one per
+        # torch engine; the demo starts two runs and a user adds a third: even a 2-core
+        # machine offers 8 (the processes share its cores, as they did in one job before).
+        str(num_cpus or max(os.cpu_count() or 2, LOCAL_MIN_CPUS)),
         "--disable-usage-stats",
         "--temp-dir",
         str(_ray_temp_dir(data_dir)),

@@ -4,12 +4,14 @@ Submitted by the Celery worker through Ray's Jobs API; the job secret arrives in
 ``STEEP_JOB_SECRET``. It never imports Django: everything it knows and reports
 goes through the web app's internal API (``workers.job_api``).
 
-Phases: fetch config → release trajectories a previous attempt claimed → start
-the inference replicas (Ray actors) and register them (the run turns running) →
-trainer (resuming from the run's last checkpoint, else starting from ``init_checkpoint``
+Phases: fetch config → release trajectories a previous attempt claimed → check
+that the cluster can hold the run (``workers.capacity``) → the trainer workers (Ray
+actors, ``workers.trainer_group``) → start the inference replicas (Ray actors) →
+trainer state (resuming from the run's last checkpoint, else starting from ``init_checkpoint``
 when set: its weights are pushed to the replicas first) → in dataset mode, the rollout
 driver → the training loop until max_steps or a stop request → final checkpoint
-and status → replicas down.
+and status → replicas and trainer workers down. The replicas are registered (the run
+turns running) once the trainer's weights are on them.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from pathlib import Path
 import ray
 
 from rl_core.config import RunConfig
-from rl_core.inference.launch import choose_backend, free_port, make_inference_server
+from rl_core.inference.launch import free_port, make_inference_server
+from workers.capacity import CapacityError, check_capacity, placement_timeout_s, resolve_backend
 from workers.job_api import InternalAPI, WebEpisodeSink, WebReporter, WebSource
 
 logger = logging.getLogger("steep.job")
@@ -57,8 +60,8 @@ class InferenceReplica:
         self.server.stop()
 
 
-def _replica_resources(backend: str) -> dict:
-    return {"num_gpus": 1, "num_cpus": 1} if backend == "sglang" else {"num_cpus": 1}
+def _ray_options(resources: dict[str, float]) -> dict:
+    return {"num_cpus": resources.get("CPU", 0), "num_gpus": resources.get("GPU", 0)}
 
 
 async def run_job(run_id: str, web_url: str, secret: str) -> str:
@@ -67,9 +70,10 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
     from rl_core.rewards import load_reward_fn
     from rl_core.rollout import RolloutDriver
     from rl_core.staleness import StalenessController
-    from rl_core.trainer import PPOTrainer
+    from workers.trainer_group import TrainerGroup
 
     api = InternalAPI(web_url, run_id, secret)
+    trainer = None
     replicas: list = []
     urls: list[str] = []
     try:
@@ -83,25 +87,41 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
                 "resume", f"Released {released} trajectories claimed by the previous attempt."
             )
 
-        backend = choose_backend(config.inference_backend)
+        resources = ray.cluster_resources()
+        await api.report_cluster(resources)
+        backend = resolve_backend(config.inference_backend, resources)
+        needs = check_capacity(config, backend, resources)  # refuse what can never be placed
         env = {"STEEP_TORCH_THREADS": os.environ.get("STEEP_TORCH_THREADS", "1")}
+        # The trainer starts from config.init_checkpoint's weights when set, else base_model's.
+        trainer = await asyncio.to_thread(
+            TrainerGroup,
+            config,
+            bundle=needs.trainer_bundle,
+            placement_timeout_s=placement_timeout_s(),
+            env=env,
+        )
         # On Steep's local Ray head: where the servers are recorded, so a stop of Steep finds them.
         pid_dir = os.environ.get("STEEP_PID_DIR", "")
         replicas = [
-            InferenceReplica.options(**_replica_resources(backend)).remote(
+            InferenceReplica.options(**_ray_options(needs.server_resources)).remote(
                 backend, config.base_model, env, pid_dir
             )
             for _ in range(config.num_inference_servers)
         ]
         urls = [await replica.url.remote() for replica in replicas]
 
-        # The trainer starts from config.init_checkpoint's weights when set, else base_model's.
-        trainer = await asyncio.to_thread(PPOTrainer, config)
-        controller = StalenessController(
-            config.max_staleness,
-            config.batch_size,
-            config.max_concurrent_rollouts,
-            version=trainer.version,
+        # Dataset mode: the rollout driver admits rollouts here. Online mode: the web app
+        # admits sessions and is told of stale drops through the source; a controller here
+        # would count nothing as accepted and refuse the first drop.
+        controller = (
+            StalenessController(
+                config.max_staleness,
+                config.batch_size,
+                config.max_concurrent_rollouts,
+                version=trainer.version,
+            )
+            if config.mode == "dataset"
+            else None
         )
         reporter = WebReporter(api)
         source = WebSource(api)
@@ -127,7 +147,7 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
             await api.register_server(url, backend)
 
         driver_task = None
-        if config.mode == "dataset":
+        if controller is not None:  # dataset mode
             rows = await api.dataset_rows()
             driver = RolloutDriver(
                 config,
@@ -171,11 +191,12 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
         return final
     except Exception as exc:
         logger.exception("run %s failed", run_id)
+        error = f"{type(exc).__name__}: {exc}"
+        if not isinstance(exc, CapacityError):  # that one says all there is to say
+            error += f"\n\n{traceback.format_exc()[-4000:]}"
         try:
             await api.release()
-            await api.status(
-                "failed", error=f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()[-4000:]}"
-            )
+            await api.status("failed", error=error)
         except Exception:
             logger.exception("could not report the failure")
         raise
@@ -190,6 +211,8 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
                 await replica.stop.remote()
             except Exception:
                 pass
+        if trainer is not None:
+            await asyncio.to_thread(trainer.close)
         await api.aclose()
 
 

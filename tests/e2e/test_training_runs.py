@@ -147,6 +147,48 @@ def test_dataset_run_trains_reports_live_checkpoints_and_stops(stack, rest, owne
     )
 
 
+def test_a_dataset_run_on_two_train_workers_learns_and_checkpoints(stack, rest):
+    """train_workers=2: two trainer actors (FSDP2 over gloo) on the local head's CPUs."""
+    run = create_dataset_run(rest, stack, train_workers=2, max_steps=24, save_every=8)
+    assert rest.post(f"/runs/{run['id']}/start/").status_code == 202
+    wait_for(
+        lambda: run_state(rest, run["id"])["status"] in ("completed", "failed"),
+        900,
+        f"the run to finish\n{stack.log_tail()}",
+    )
+    final = run_state(rest, run["id"])
+    assert final["status"] == "completed", final["error"]
+    assert final["step"] == 24
+    rewards = [value for _, value in sorted(reward_series(rest, run["id"]))]
+    assert statistics.mean(rewards[-4:]) > statistics.mean(rewards[:3]) + 0.2, rewards
+    checkpoints = rest.get(f"/runs/{run['id']}/checkpoints/").json()["results"]
+    assert max(c["step"] for c in checkpoints) == 24
+
+
+def test_a_run_the_cluster_cannot_hold_fails_saying_what_it_needs(stack, rest):
+    from webapp.runs.models import ClusterReport
+
+    # As if the run was created before any job reported the cluster (or before it shrank):
+    # the job itself refuses it. The local head offers 8 CPUs; 8 trainer workers and 1 torch
+    # engine need 9.
+    ClusterReport.objects.all().delete()
+    run = create_dataset_run(rest, stack, train_workers=8)
+    assert rest.post(f"/runs/{run['id']}/start/").status_code == 202
+    wait_for(
+        lambda: run_state(rest, run["id"])["status"] == "failed",
+        180,
+        f"the run to fail\n{stack.log_tail()}",
+    )
+    numbers = "train_workers=8 and 1 torch-engine inference server need 9 CPUs; the cluster has 8."
+    error = run_state(rest, run["id"])["error"]
+    assert error.startswith(f"CapacityError: {numbers}"), error
+
+    # The job reported the cluster on its way: the same run is now refused when created.
+    again = rest.post(f"/runs/{run['id']}/clone/", json={})
+    assert again.status_code == 400, again.text
+    assert numbers in again.json()["error"]["fields"]["train_workers"][0]
+
+
 def test_online_agents_train_while_running_within_the_staleness_bound(stack, rest, project):
     from openai import APIStatusError, OpenAI
 

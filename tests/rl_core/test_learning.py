@@ -25,6 +25,11 @@ from rl_core.types import Trajectory
 
 # --------------------------------------------------------------------------- helpers
 
+# The toy task with a rank-8 adapter: adapters want a larger learning rate than full
+# fine-tuning (they start at zero and have few parameters). Measured: mean reward 0.006
+# at step 1, 0.68 at step 6, 0.75 from step 7 on (~1 s a step on 2 shared CPU cores).
+LORA_TOY = {"lora_rank": 8, "lora_alpha": 16.0, "learning_rate": 2e-2, "max_steps": 10}
+
 
 def _cfg(model: str | Path = "unused", **overrides: Any) -> RunConfig:
     return RunConfig.from_dict({"base_model": str(model), **TOY_SETTINGS, **overrides})
@@ -242,6 +247,32 @@ async def test_the_tiny_model_learns_the_toy_task(tiny_model_dir, engine, tmp_pa
     async with InferenceClient(engine.url) as client:
         info = await client.get_model_info()
     assert int(info["weight_version"]) == trainer.version == steps
+
+
+async def test_a_lora_adapter_learns_the_toy_task_and_the_base_weights_stay_bit_identical(
+    tiny_model_dir, engine, tmp_path
+):
+    import torch
+
+    cfg = _cfg(tiny_model_dir, **LORA_TOY)
+    trainer = _recording_trainer(cfg, tiny_model_dir)
+    named = dict(trainer.model.named_parameters())
+    before = {k: p.detach().clone() for k, p in named.items()}
+    reporter = ListReporter()
+    summary = await _local_run(cfg, trainer, engine, tmp_path, reporter=reporter).run()
+
+    rewards = reporter.series("rollout/reward")
+    assert summary.step == len(rewards) == cfg.max_steps
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    assert first < 0.1, rewards
+    assert last > first + 0.4, rewards
+    for name, p in named.items():
+        changed = not torch.equal(before[name], p.detach())
+        if p.requires_grad:
+            assert ".lora_" in name
+        else:
+            assert not changed, f"base weight {name} changed"
+    assert any(not torch.equal(before[n], p.detach()) for n, p in named.items() if p.requires_grad)
 
 
 async def test_max_staleness_bounds_every_trained_token_and_pauses_mix_versions(

@@ -4,8 +4,9 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from rl_core.attention import register_packed_attention
+from rl_core.hf import load_causal_lm
 from rl_core.packing import block_causal_mask, micro_batches, pack, packed_logprobs
-from rl_core.trainer import load_causal_lm
 from rl_core.types import Trajectory
 
 
@@ -20,11 +21,11 @@ def _traj(ids, n_prompt, reward=1.0, version=0):
     )
 
 
-@pytest.fixture(scope="module", params=["sdpa", "eager"])
+# The trainer's padding-free attention, and the dense block mask (the benchmark's baseline).
+@pytest.fixture(scope="module", params=["packed", "dense-sdpa", "dense-eager"])
 def model(request, tiny_model_dir):
-    model = load_causal_lm(tiny_model_dir, torch.float32, torch.device("cpu")).eval()
-    model.config._attn_implementation = request.param
-    return model
+    attention = {"packed": register_packed_attention()}.get(request.param, request.param[6:])
+    return load_causal_lm(tiny_model_dir, torch.float32, torch.device("cpu"), attention).eval()
 
 
 def test_pack_concatenates_without_padding_and_restarts_positions():
@@ -141,3 +142,25 @@ def test_trajectory_validation_says_what_is_wrong(change, message):
     }
     with pytest.raises(ValueError, match=message):
         Trajectory(**{**fields, **change})
+
+
+def test_balanced_shards_give_each_rank_a_similar_token_count_deterministically():
+    from rl_core.distributed import balanced_shards
+
+    lengths = [13, 5, 11, 7, 9, 3]
+    shards = balanced_shards(lengths, 2)
+    # Longest first to the lighter rank: 13→0, 11→1, 9→1, 7→0, 5→0 (20 vs 20: rank 0), 3→1.
+    assert shards == [[0, 1, 3], [2, 4, 5]]
+    assert [sum(lengths[i] for i in s) for s in shards] == [25, 23]
+    assert balanced_shards(lengths, 2) == shards
+    assert sorted(i for s in balanced_shards(lengths, 4) for i in s) == list(range(6))
+    assert balanced_shards([4], 3) == [[0], [], []]
+
+
+def test_rank_micro_batches_report_the_busiest_ranks_count():
+    from rl_core.distributed import rank_micro_batches
+
+    lengths = [13, 12, 11]  # rank 0: [13]; rank 1: [12, 11], which a budget of 16 splits
+    assert rank_micro_batches(lengths, 2, 0, 16) == ([[0]], 2)
+    assert rank_micro_batches(lengths, 2, 1, 16) == ([[1], [2]], 2)
+    assert rank_micro_batches(lengths, 1, 0, 16) == ([[0], [1], [2]], 3)

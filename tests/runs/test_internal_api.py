@@ -202,6 +202,18 @@ def test_trained_and_released_sessions_change_state(job, running):
     assert sorted(states.values()) == ["dropped", "ready", "trained"]
 
 
+@pytest.mark.parametrize("final", ["completed", "stopped", "failed"])
+def test_a_job_that_ends_gives_back_what_it_claimed_but_did_not_train(job, running, final):
+    # The job's source may hold claimed trajectories past its last step (a session rendered
+    # as two trajectories, one trained, one buffered): they must not stay claimed forever.
+    ids = job("POST", "episodes", {"episodes": [episode(1.0), episode(0.5)]}).json()["sessions"]
+    job("POST", "claim", {"limit": 2})
+    job("POST", "trained", {"version": 1, "trained": ids[:1], "dropped": []})
+    assert job("POST", "status", {"status": final}).json()["status"] == final
+    states = {str(pk): t for pk, t in Session.objects.values_list("pk", "trajectory")}
+    assert [states[sid] for sid in ids] == ["trained", "ready"]
+
+
 def test_checkpoints_reported_by_the_job_are_listed_by_the_rest_api(job, running, api):
     assert (
         job(
@@ -241,3 +253,16 @@ def test_servers_registered_by_the_job_turn_a_starting_run_running(
     run.refresh_from_db()
     assert run.status == "running"
     assert list(run.servers.values_list("url", flat=True)) == ["http://127.0.0.1:1"]
+
+
+def test_the_job_reports_the_clusters_gpus_and_cpus(job):
+    from webapp.runs.models import ClusterReport
+
+    assert job("POST", "cluster", {"gpus": 2, "cpus": 48.0}).status_code == 200
+    report = ClusterReport.objects.get()
+    assert (report.gpus, report.cpus) == (2.0, 48.0)
+    for bad in ({"gpus": -1, "cpus": 4}, {"gpus": "2", "cpus": 4}, {"cpus": 4}):
+        response = job("POST", "cluster", bad)
+        assert response.status_code == 400, bad
+        assert "must be a number" in response.json()["error"]["message"]
+    assert ClusterReport.objects.get().gpus == 2.0

@@ -241,6 +241,29 @@ def test_run_form_errors_are_shown_per_field(member_client, project, changes, fi
     assert not Run.objects.exists()
 
 
+def test_run_form_folds_the_advanced_settings_and_opens_them_on_an_error(member_client, project):
+    url = reverse("dashboard:run-new", args=[project.id])
+    html = member_client.get(url).content.decode()
+    basic, advanced = html.split('<details class="advanced-settings"')
+    for name in ("train_workers", "precision", "lora_rank", "lora_target_modules"):
+        assert f'id="id_{name}"' in advanced and f'id="id_{name}"' not in basic
+    assert 'id="id_learning_rate"' in basic
+    assert advanced.startswith(">")  # folded
+
+    response = member_client.post(url, browser_defaults(lora_rank="-2"))
+    assert response.status_code == 400
+    advanced = response.content.decode().split('<details class="advanced-settings"')[1]
+    assert advanced.startswith(" open>")
+    assert "at least 0" in advanced
+
+    response = member_client.post(
+        url, browser_defaults(lora_rank="8", lora_target_modules="q_proj, v_proj")
+    )
+    assert response.status_code == 302
+    config = Run.objects.get(project=project).config
+    assert (config["lora_rank"], config["lora_target_modules"]) == (8, ["q_proj", "v_proj"])
+
+
 def test_run_form_refuses_another_projects_dataset(
     member_client, project, other_project, make_dataset
 ):

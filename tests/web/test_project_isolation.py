@@ -32,6 +32,9 @@ DETAIL_REQUESTS = [
     ("runs/<str:run_id>/clone/", "post", "run", 201),
     ("runs/<str:run_id>/metrics/", "get", "run", 200),
     ("runs/<str:run_id>/checkpoints/", "get", "run", 200),
+    ("runs/<str:run_id>/checkpoints/<str:checkpoint_id>/", "get", "checkpoint", 200),
+    # The owner's answer: the victim's checkpoint files do not exist, so nothing to export.
+    ("runs/<str:run_id>/checkpoints/<str:checkpoint_id>/export/", "post", "checkpoint", 409),
     ("runs/<str:run_id>/trajectories.jsonl", "get", "run", 200),
     ("agents/<str:agent_id>/", "get", "agent", 200),
     ("agents/<str:agent_id>/", "delete", "agent", 204),
@@ -52,7 +55,13 @@ SECRETS = [
 
 
 def path_for(route: str, obj) -> str:
-    return "/api/v1/" + re.sub(r"<str:\w+>", str(obj.id), route)
+    def fill(param: re.Match) -> str:
+        # A checkpoint's routes name its run too.
+        if param.group(1) == "run_id" and isinstance(obj, Checkpoint):
+            return str(obj.run_id)
+        return str(obj.id)
+
+    return "/api/v1/" + re.sub(r"<str:(\w+)>", fill, route)
 
 
 @pytest.fixture
@@ -61,13 +70,14 @@ def victim(project, make_dataset, make_run, make_agent, set_status):
     dataset = make_dataset(project, name="secret-dataset")
     run = make_run(project, name="secret-run", dataset=dataset)
     MetricPoint.objects.create(run=run, step=1, name="loss", value=0.5)
-    Checkpoint.objects.create(run=run, version=1, step=1, path="/ckpt/secret-run/v1")
+    checkpoint = Checkpoint.objects.create(run=run, version=1, step=1, path="/ckpt/secret-run/v1")
     key, _ = api_key_create(project=project, name="hidden")
     agent = make_agent(project, name="secret-agent", run=run)
     return SimpleNamespace(
         dataset=dataset,
         spare_dataset=make_dataset(project, name="spare-dataset"),
         run=run,
+        checkpoint=checkpoint,
         queued_run=set_status(make_run(project, name="queued-run"), Run.Status.QUEUED),
         agent=agent,
         key=key,
@@ -116,6 +126,7 @@ def test_other_projects_key_gets_404_and_changes_nothing(
     assert Agent.objects.filter(pk=victim.agent.pk).exists()
     assert APIKey.objects.get(pk=victim.key.pk).revoked_at is None
     assert Session.objects.filter(pk=victim.session.pk).exists()
+    assert Checkpoint.objects.get(pk=victim.checkpoint.pk).export_status == "none"
 
     # The owner reaches the same URL: the 404 above is about ownership, not a bad path.
     assert getattr(api, method)(path).status_code == owner_status
@@ -127,6 +138,8 @@ def test_lists_never_include_other_projects_objects(api, other_api, victim, name
     assert theirs.status_code == 200
     body = theirs.content.decode()
     for obj in vars(victim).values():
+        if isinstance(obj, Checkpoint):
+            continue  # a small integer id, found in any body; listed only under its run
         assert str(obj.id) not in body
     assert not any(secret in body for secret in SECRETS)
 

@@ -48,6 +48,28 @@ def dataset(project, make_dataset):
         (ONLINE | {"reward": {"type": "math", "bonus": 1}}, "reward", "Unknown reward keys"),
         (ONLINE | {"lr_warmup_steps": 100, "max_steps": 100}, "lr_warmup_steps", "shorter"),
         (ONLINE | {"ppo_minibatches": 16, "batch_size": 8}, "ppo_minibatches", "batch_size"),
+        (ONLINE | {"train_workers": 0}, "train_workers", "at least 1"),
+        (ONLINE | {"precision": "fp16"}, "precision", "auto, fp32, bf16"),
+        (ONLINE | {"gradient_checkpointing": 1}, "gradient_checkpointing", "true or false"),
+        (ONLINE | {"lora_rank": -1}, "lora_rank", "at least 0"),
+        (ONLINE | {"lora_rank": 8, "lora_alpha": 0}, "lora_alpha", "greater than 0"),
+        (ONLINE | {"lora_rank": 8, "lora_dropout": 1.0}, "lora_dropout", "less than 1"),
+        (
+            ONLINE | {"lora_rank": 8, "lora_target_modules": {"q": 1}},
+            "lora_target_modules",
+            "list of names",
+        ),
+        (
+            ONLINE | {"lora_rank": 8, "lora_target_modules": ["q_proj", 3]},
+            "lora_target_modules",
+            "list of names",
+        ),
+        (ONLINE | {"lora_target_modules": ["q_proj"]}, "lora_target_modules", "lora_rank above 0"),
+        (
+            ONLINE | {"lora_rank": 8, "lora_target_modules": ["all-linear", "q_proj"]},
+            "lora_target_modules",
+            "alone",
+        ),
         ({**ONLINE, "name": ""}, "name", "blank"),
         ({k: v for k, v in ONLINE.items() if k != "name"}, "name", "required"),
     ],
@@ -133,3 +155,30 @@ def test_empty_optional_float_means_none(api):
     response = api.post("/api/v1/runs/", ONLINE | {"dual_clip": ""}, format="json")
     assert response.status_code == 201
     assert response.json()["config"]["dual_clip"] is None
+
+
+def test_lora_settings_round_trip_through_the_api(api):
+    response = api.post(
+        "/api/v1/runs/",
+        ONLINE | {"lora_rank": 8, "lora_target_modules": "q_proj, v_proj", "precision": "fp32"},
+        format="json",
+    )
+    assert response.status_code == 201, response.json()
+    config = response.json()["config"]
+    assert config["lora_rank"] == 8
+    assert config["lora_target_modules"] == ["q_proj", "v_proj"]
+    assert (config["train_workers"], config["lora_alpha"]) == (1, 16.0)
+    assert (config["precision"], config["gradient_checkpointing"]) == ("fp32", False)
+    assert (
+        RunConfig.from_dict({"base_model": "m", "mode": "online", "lora_rank": 4}).lora_targets
+        == "all-linear"
+    )
+
+
+def test_a_lora_run_may_shard_over_several_trainer_workers(api):
+    response = api.post(
+        "/api/v1/runs/", ONLINE | {"lora_rank": 8, "train_workers": 2}, format="json"
+    )
+    assert response.status_code == 201, response.json()
+    config = response.json()["config"]
+    assert (config["lora_rank"], config["train_workers"]) == (8, 2)

@@ -61,9 +61,9 @@ def test_series_are_columns_per_metric_with_each_steps_first_report_time():
     data = series(points)
     assert data["series"] == {"a": [[1, 2], [0.5, 0.25]], "b": [[1], [0.333333]]}
     assert data["stepTimes"] == [(1, T0.timestamp()), (2, T0.timestamp() + 7)]
-    assert latest_values(data) == [
+    assert latest_values([(2, "a", 0.25), (1, "b", 1 / 3)]) == [
         {"name": "a", "step": 2, "value": 0.25},
-        {"name": "b", "step": 1, "value": 0.333333},
+        {"name": "b", "step": 1, "value": 1 / 3},
     ]
 
 
@@ -135,6 +135,45 @@ def test_run_page_embeds_its_series_and_the_panel_rules_for_the_live_charts(memb
     headline = html[html.index('<div class="headline') : html.index('<section class="panel"')]
     assert re.findall(r'data-metric="([^"]+)"', headline) == ["rollout/reward", "eval/acc"]
     assert '<section class="panel" data-panel="policy">' in html
+
+
+def test_a_long_runs_page_averages_buckets_of_steps_and_keeps_exact_latest_values(
+    member_client, project, make_run, set_status
+):
+    from webapp.dashboard.charts import CHART_MAX_POINTS
+    from webapp.runs.models import MetricPoint
+
+    steps = 2 * CHART_MAX_POINTS + 10  # buckets of 3 steps
+    run = make_run(project, name="long", max_steps=5000)
+    points = [
+        MetricPoint(
+            run=run, step=s, name="rollout/reward", value=s, created_at=T0 + timedelta(seconds=s)
+        )
+        for s in range(1, steps + 1)
+    ]
+    # An eval metric every 100 steps, the last one before the run's last step.
+    points += [
+        MetricPoint(run=run, step=s, name="eval/acc", value=s / 10000, created_at=T0)
+        for s in range(100, steps + 1, 100)
+    ]
+    MetricPoint.objects.bulk_create(points)
+    set_status(run, "running")
+    type(run).objects.filter(pk=run.pk).update(step=steps)
+
+    html = member_client.get(run_url(run)).content.decode()
+    data = json.loads(
+        re.search(r'<script id="run-data" type="application/json">(.*?)</script>', html, re.S)[1]
+    )
+    shown_steps, values = data["series"]["rollout/reward"]
+    assert len(shown_steps) <= CHART_MAX_POINTS + 1
+    # Buckets [0, 3), [3, 6), ...: step 1-2 average to 1.5, steps 3-5 to 4, shown at their last step.
+    assert (shown_steps[:2], values[:2]) == ([2, 5], [1.5, 4.0])
+    last_bucket = range(steps // 3 * 3, steps + 1)
+    assert shown_steps[-1] == steps and values[-1] == sum(last_bucket) / len(last_bucket)
+    assert f"each point up to step {steps} is the mean of 3 steps" in html
+    table = html[html.index('<details id="latest-values">') : html.index("</details>")]
+    assert f"<td>rollout/reward</td><td>{steps}</td><td>{steps}.0000</td>" in table
+    assert "<td>eval/acc</td><td>2000</td><td>0.2000</td>" in table
 
 
 def test_run_page_folds_the_latest_values_table(member_client, trained):

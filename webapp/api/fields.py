@@ -34,4 +34,16 @@ class RawObject(serializers.JSONField):
     pass
 
 
-RAW_FIELDS = {"int": RawInt, "float": RawFloat, "bool": RawBool, "str": RawStr, "dict": RawObject}
+@extend_schema_field({"type": "array", "items": {"type": "string"}})
+class RawStrList(serializers.JSONField):
+    pass
+
+
+RAW_FIELDS = {
+    "int": RawInt,
+    "float": RawFloat,
+    "bool": RawBool,
+    "str": RawStr,
+    "dict": RawObject,
+    "list": RawStrList,
+}

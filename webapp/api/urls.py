@@ -37,6 +37,16 @@ urlpatterns = [
         "runs/<str:run_id>/checkpoints/", runs.RunCheckpointsApi.as_view(), name="run-checkpoints"
     ),
     path(
+        "runs/<str:run_id>/checkpoints/<str:checkpoint_id>/",
+        runs.RunCheckpointDetailApi.as_view(),
+        name="run-checkpoint",
+    ),
+    path(
+        "runs/<str:run_id>/checkpoints/<str:checkpoint_id>/export/",
+        runs.RunCheckpointExportApi.as_view(),
+        name="run-checkpoint-export",
+    ),
+    path(
         "runs/<str:run_id>/trajectories.jsonl",
         sessions.RunTrajectoriesExportApi.as_view(),
         name="run-trajectories",

@@ -4,6 +4,7 @@ draws the charts and keeps them live with the same panel rules (sent to it as JS
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -18,6 +19,9 @@ PANELS: list[tuple[str, str, tuple[str, ...]]] = [
     ("system", "Throughput / System", ("perf/", "timing/", "sessions/", "system/")),
 ]
 OTHER = ("other", "Other")
+# Chart points per metric a run page starts with: above this many steps, each point is the
+# mean of a bucket of steps (webapp.runs.selectors.metric_points); live points come per step.
+CHART_MAX_POINTS = 1000
 ETA_WINDOW = 10  # step intervals the ETA averages over (their median: a pause does not skew it)
 
 
@@ -84,12 +88,14 @@ def series(points) -> dict:
     }
 
 
-def latest_values(data: dict) -> list[dict]:
-    """The last point of each series in ``series(...)``: ``{"name", "step", "value"}``, by name."""
-    return [
-        {"name": name, "step": steps[-1], "value": values[-1]}
-        for name, (steps, values) in data["series"].items()
-    ]
+def latest_values(points) -> list[dict]:
+    """Each metric's last point ``(step, name, value)`` as ``{"name", "step", "value"}``."""
+    return [{"name": name, "step": step, "value": value} for step, name, value in points]
+
+
+def chart_stride(last_step: int) -> int:
+    """Steps averaged into one chart point, so a page holds at most ``CHART_MAX_POINTS`` per metric."""
+    return max(1, math.ceil(last_step / CHART_MAX_POINTS))
 
 
 @dataclass

@@ -59,6 +59,13 @@ def _form_field(spec) -> forms.Field:
         return forms.IntegerField(required=required, initial=default, help_text=help_text)
     if "float" in kind:
         return forms.FloatField(required=False, initial=default, help_text=help_text)
+    if kind == "list":
+        return forms.CharField(
+            required=False,
+            initial=", ".join(default or []),
+            help_text=help_text + " Comma-separated here.",
+            widget=forms.TextInput(attrs={"placeholder": "q_proj, v_proj"}),
+        )
     if kind == "dict":
         return forms.CharField(
             required=False,
@@ -108,9 +115,22 @@ class RunForm(forms.Form):
         if names:
             base_model.help_text += " Pick one this instance knows, or type another."
 
-    def config_fields(self):
-        names = {spec.name for spec in RunConfig.field_specs()}
-        return [self[name] for name in self.fields if name in names]
+    def basic_fields(self):
+        """The fields shown open: name, dataset and every setting not marked advanced."""
+        advanced = self._advanced_names()
+        return [self[name] for name in self.fields if name not in advanced]
+
+    def advanced_fields(self):
+        """Trainer scale, precision and LoRA settings: folded away under "Advanced"."""
+        advanced = self._advanced_names()
+        return [self[name] for name in self.fields if name in advanced]
+
+    def advanced_has_errors(self) -> bool:
+        return any(field.errors for field in self.advanced_fields())
+
+    @staticmethod
+    def _advanced_names() -> set[str]:
+        return {spec.name for spec in RunConfig.field_specs() if spec.metadata.get("advanced")}
 
     def clean(self):
         cleaned = super().clean()

@@ -17,6 +17,11 @@ urlpatterns = [
     path("projects/<str:project_id>/runs/<str:run_id>/", views.run_detail, name="run"),
     path("projects/<str:project_id>/runs/<str:run_id>/again/", views.run_again, name="run-again"),
     path(
+        "projects/<str:project_id>/runs/<str:run_id>/checkpoints/<str:checkpoint_id>/export/",
+        views.checkpoint_export,
+        name="checkpoint-export",
+    ),
+    path(
         "projects/<str:project_id>/runs/<str:run_id>/<str:action>/",
         views.run_action,
         name="run-action",

@@ -52,8 +52,10 @@ from webapp.gateway.selectors import (
 )
 from webapp.runs.selectors import (
     checkpoint_for_step,
+    checkpoint_get,
     checkpoint_list,
     known_models,
+    metric_latest,
     metric_points,
     metric_step_times,
     run_event_list,
@@ -61,8 +63,10 @@ from webapp.runs.selectors import (
     run_list,
 )
 from webapp.runs.services import (
+    ExportRefused,
     IllegalTransition,
     RunInvalid,
+    checkpoint_export_request,
     run_clone,
     run_create,
     run_start,
@@ -289,11 +293,13 @@ def run_detail(request, project_id, run_id):
     }
     if _wants_fragment(request):  # the polled status line: no chart data
         return render(request, "dashboard/_run_status.html", context)
-    data = charts.series(metric_points(run=run))
+    stride = charts.chart_stride(run.step)
+    data = charts.series(metric_points(run=run, stride=stride))
     context |= {
         "layout": charts.chart_layout(data["series"]),
         "chart_data": data | {"config": charts.client_config(), "maxSteps": max_steps},
-        "latest_metrics": charts.latest_values(data),
+        "chart_stride": stride,
+        "latest_metrics": charts.latest_values(metric_latest(run=run)),
         "checkpoints": checkpoint_list(run=run)[:20],
         "agents": agent_list(project=project, run_id=run.id),
         "sessions": session_list(project=project, run_id=run.id)[:10],
@@ -322,6 +328,27 @@ def run_again(request, project_id, run_id):
         return redirect("dashboard:run", project_id=project.id, run_id=run.id)
     messages.success(request, f"Copied '{run.name}' as a draft: check its settings, then start it.")
     return redirect("dashboard:run", project_id=project.id, run_id=clone.id)
+
+
+@login_required
+@require_POST
+def checkpoint_export(request, project_id, run_id, checkpoint_id):
+    """The checkpoint list's "Export" button: a worker writes a standalone model folder."""
+    project = _project(request, project_id)
+    run = run_get(project=project, run_id=run_id)
+    checkpoint = checkpoint_get(run=run, checkpoint_id=checkpoint_id)
+    try:
+        checkpoint = checkpoint_export_request(checkpoint=checkpoint)
+    except ExportRefused as exc:
+        messages.error(request, str(exc))
+    else:
+        if checkpoint.export_status == checkpoint.ExportStatus.DONE:
+            messages.success(request, f"Already exported to {checkpoint.export_path}.")
+        else:
+            messages.success(
+                request, f"Exporting the checkpoint at step {checkpoint.step}: reload to follow it."
+            )
+    return redirect("dashboard:run", project_id=project.id, run_id=run.id)
 
 
 @login_required

@@ -10,9 +10,10 @@ from webapp.api.errors import Conflict
 from webapp.api.fields import RAW_FIELDS
 from webapp.api.views import ProjectAPIView
 from webapp.datasets.selectors import dataset_get
-from webapp.runs.models import Run
+from webapp.runs.models import Checkpoint, Run
 from webapp.runs.selectors import (
     checkpoint_for_step,
+    checkpoint_get,
     checkpoint_list,
     known_models,
     metric_list,
@@ -21,8 +22,10 @@ from webapp.runs.selectors import (
     run_list,
 )
 from webapp.runs.services import (
+    ExportRefused,
     IllegalTransition,
     RunInvalid,
+    checkpoint_export_request,
     run_clone,
     run_create,
     run_delete,
@@ -293,11 +296,22 @@ class RunMetricsApi(ProjectAPIView):
 
 
 class CheckpointOutput(serializers.Serializer):
+    id = serializers.IntegerField()
     version = serializers.IntegerField()
     step = serializers.IntegerField()
     path = serializers.CharField()
     size_bytes = serializers.IntegerField()
     created_at = serializers.DateTimeField()
+    export_status = serializers.ChoiceField(
+        choices=Checkpoint.ExportStatus.values,
+        help_text="none → running → done | failed (POST .../export/ starts one).",
+    )
+    export_path = serializers.CharField(
+        help_text="When done: the exported model folder (from_pretrained / SGLang --model-path)."
+    )
+    export_error = serializers.CharField(help_text="When failed: why.")
+    export_started_at = serializers.DateTimeField(allow_null=True)
+    export_finished_at = serializers.DateTimeField(allow_null=True)
 
 
 class RunCheckpointsApi(ProjectAPIView):
@@ -307,6 +321,33 @@ class RunCheckpointsApi(ProjectAPIView):
     def get(self, request, run_id):
         run = run_get(project=self.project, run_id=run_id)
         return self.paginate(checkpoint_list(run=run), CheckpointOutput)
+
+
+class RunCheckpointDetailApi(ProjectAPIView):
+    @extend_schema(responses=CheckpointOutput, summary="A checkpoint, with its export's status")
+    def get(self, request, run_id, checkpoint_id):
+        run = run_get(project=self.project, run_id=run_id)
+        return Response(CheckpointOutput(checkpoint_get(run=run, checkpoint_id=checkpoint_id)).data)
+
+
+class RunCheckpointExportApi(ProjectAPIView):
+    @extend_schema(
+        request=None,
+        responses={202: CheckpointOutput},
+        summary="Export a checkpoint as a standalone model folder",
+        description="A worker writes a Hugging Face folder (a LoRA adapter merged into its base "
+        "weights; full weights cast to the base model's dtype), loadable by from_pretrained "
+        "and SGLang. Poll the checkpoint until export_status is done (export_path) or failed "
+        "(export_error). Idempotent: a done export is returned as it is; 409 while one runs.",
+    )
+    def post(self, request, run_id, checkpoint_id):
+        run = run_get(project=self.project, run_id=run_id)
+        checkpoint = checkpoint_get(run=run, checkpoint_id=checkpoint_id)
+        try:
+            checkpoint = checkpoint_export_request(checkpoint=checkpoint)
+        except ExportRefused as exc:
+            raise Conflict(str(exc)) from None
+        return Response(CheckpointOutput(checkpoint).data, status=status.HTTP_202_ACCEPTED)
 
 
 class KnownModelOutput(serializers.Serializer):

@@ -303,6 +303,16 @@ def servers(request, run: Run):
 
 
 @internal("POST")
+def cluster(request, run: Run):
+    data = _body(request)
+    for name in ("gpus", "cpus"):
+        if not _is_number(data.get(name)) or not 0 <= data[name] < math.inf:
+            raise BadRequest(f"'{name}' must be a number of at least 0")
+    jobs.job_report_cluster(run=run, gpus=float(data["gpus"]), cpus=float(data["cpus"]))
+    return JsonResponse({"ok": True})
+
+
+@internal("POST")
 def metrics(request, run: Run):
     data = _body(request)
     values = data.get("metrics")

@@ -9,6 +9,7 @@ urlpatterns = [
         "dataset",
         "status",
         "servers",
+        "cluster",
         "metrics",
         "version",
         "checkpoints",

@@ -19,7 +19,7 @@ from webapp.gateway.services import (
     trajectories_claim,
 )
 from webapp.runs.events import metrics_event, publish_run_event, status_event
-from webapp.runs.models import Checkpoint, MetricPoint, Run, RunEvent
+from webapp.runs.models import Checkpoint, ClusterReport, MetricPoint, Run, RunEvent
 from webapp.runs.services import IllegalTransition, run_transition
 
 S = Run.Status
@@ -61,7 +61,13 @@ def job_report_status(*, run: Run, status: str, message: str = "", error: str | 
     if status == S.STOPPED and run.status in (S.STARTING, S.RUNNING):
         # Stopped from outside Steep (e.g. Ray's dashboard): record it as a stop.
         run = run_transition(run=run, to=S.STOPPING, message="The job was stopped outside Steep.")
-    return run_transition(run=run, to=status, message=message, error=error)
+    with transaction.atomic():
+        run = run_transition(run=run, to=status, message=message, error=error)
+        if status != S.RUNNING:
+            # What the job claimed but never trained (e.g. the buffered second trajectory of a
+            # session whose first one made the last step) is ready again, not claimed forever.
+            job_release(run=run)
+    return run
 
 
 def job_run_status(*, run: Run) -> str:
@@ -107,6 +113,13 @@ def job_report_metrics(*, run: Run, step: int, version: int, metrics: dict[str, 
         )
     )
     return len(points)
+
+
+def job_report_cluster(*, run: Run, gpus: float, cpus: float) -> None:
+    """The cluster's totals as ``run``'s job saw them; new runs are checked against them."""
+    ClusterReport.objects.update_or_create(
+        pk=1, defaults={"gpus": gpus, "cpus": cpus, "reported_at": timezone.now()}
+    )
 
 
 def job_report_version(*, run: Run, version: int) -> None:

@@ -113,12 +113,28 @@ class MetricPoint(models.Model):
 
 
 class Checkpoint(models.Model):
+    """A checkpoint the run's job saved, and its export (a standalone model folder, see
+    ``webapp.runs.exporting``): none → running → done | failed; failed or done may run again."""
+
+    class ExportStatus(models.TextChoices):
+        NONE = "none"
+        RUNNING = "running"
+        DONE = "done"
+        FAILED = "failed"
+
     run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="checkpoints")
     version = models.PositiveIntegerField()
     step = models.PositiveIntegerField(default=0)
     path = models.CharField(max_length=500)
     size_bytes = models.PositiveBigIntegerField(default=0)
     created_at = models.DateTimeField(default=timezone.now)
+    export_status = models.CharField(
+        max_length=10, choices=ExportStatus.choices, default=ExportStatus.NONE
+    )
+    export_path = models.CharField(max_length=500, blank=True)
+    export_error = models.TextField(blank=True)
+    export_started_at = models.DateTimeField(null=True, blank=True)
+    export_finished_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["-version"]
@@ -128,3 +144,18 @@ class Checkpoint(models.Model):
 
     def __str__(self) -> str:
         return f"{self.run} v{self.version}"
+
+
+class ClusterReport(models.Model):
+    """The Ray cluster's resources as a run's job last counted them (``ray.cluster_resources()``).
+
+    One row (the cluster Steep submits to), replaced by every report; new runs are
+    checked against it (``webapp.runs.services.run_create``).
+    """
+
+    gpus = models.FloatField()
+    cpus = models.FloatField()
+    reported_at = models.DateTimeField(default=timezone.now)
+
+    def __str__(self) -> str:
+        return f"{self.gpus:g} GPUs, {self.cpus:g} CPUs at {self.reported_at:%Y-%m-%d %H:%M}"

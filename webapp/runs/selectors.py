@@ -5,7 +5,17 @@ from datetime import datetime
 from pathlib import Path
 
 from django.conf import settings
-from django.db.models import Min, QuerySet
+from django.db.models import (
+    Avg,
+    ExpressionWrapper,
+    F,
+    IntegerField,
+    Max,
+    Min,
+    OuterRef,
+    QuerySet,
+    Subquery,
+)
 from django.http import Http404
 
 from webapp.accounts.models import Project
@@ -40,17 +50,52 @@ def metric_list(
     return points.order_by("step", "name")
 
 
-def metric_points(*, run: Run) -> list[tuple[int, str, float, datetime]]:
-    """Every metric point of the run as ``(step, name, value, created_at)``, in step order."""
+def metric_points(*, run: Run, stride: int = 1) -> list[tuple[int, str, float, datetime]]:
+    """The run's metric points as ``(step, name, value, created_at)``, in step order.
+
+    ``stride`` > 1 averages each metric over buckets of ``stride`` steps (steps
+    ``[k * stride, (k + 1) * stride)``), each shown at its last step and first time: a long
+    run's page then carries a bounded number of points without hiding a trend.
+    """
+    points = MetricPoint.objects.filter(run=run)
+    if stride <= 1:
+        return list(
+            points.order_by("step", "name").values_list("step", "name", "value", "created_at")
+        )
+    bucket = ExpressionWrapper(F("step") / stride, output_field=IntegerField())
+    return [
+        (row["last"], row["name"], row["mean"], row["first"])
+        for row in points.annotate(bucket=bucket)
+        .values("bucket", "name")
+        .annotate(last=Max("step"), mean=Avg("value"), first=Min("created_at"))
+        .order_by("last", "name")
+    ]
+
+
+def metric_latest(*, run: Run) -> list[tuple[int, str, float]]:
+    """Each metric's last point ``(step, name, value)``, by name."""
+    last_steps = MetricPoint.objects.filter(run=run, name=OuterRef("name")).order_by("-step")
     return list(
-        MetricPoint.objects.filter(run=run)
-        .order_by("step", "name")
-        .values_list("step", "name", "value", "created_at")
+        MetricPoint.objects.filter(run=run, step=Subquery(last_steps.values("step")[:1]))
+        .order_by("name")
+        .values_list("step", "name", "value")
     )
 
 
 def checkpoint_list(*, run: Run) -> QuerySet[Checkpoint]:
     return Checkpoint.objects.filter(run=run).order_by("-version")
+
+
+def checkpoint_get(*, run: Run, checkpoint_id) -> Checkpoint:
+    """One of the run's checkpoints by id; another run's (or project's) answers 404."""
+    try:
+        pk = int(checkpoint_id)
+    except (TypeError, ValueError):
+        raise Http404("Checkpoint not found.") from None
+    checkpoint = Checkpoint.objects.filter(run=run, pk=pk).select_related("run").first()
+    if checkpoint is None:
+        raise Http404("Checkpoint not found.")
+    return checkpoint
 
 
 def checkpoint_for_step(*, run: Run, step: int) -> Checkpoint | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 
 from django.db import transaction
@@ -11,7 +12,8 @@ from rl_core.config import ConfigError, RunConfig
 from webapp.accounts.models import Project
 from webapp.datasets.models import Dataset
 from webapp.runs.events import publish_run_event, status_event
-from webapp.runs.models import Checkpoint, Run, RunEvent
+from webapp.runs.models import Checkpoint, ClusterReport, Run, RunEvent
+from workers.capacity import CapacityError, check_capacity, resolve_backend
 
 S = Run.Status
 
@@ -41,6 +43,14 @@ class IllegalTransition(Exception):
         self.current, self.target = current, target
 
 
+# An export running for longer than this lost its worker: a new request may start it again.
+EXPORT_TIMEOUT = timedelta(hours=2)
+
+
+class ExportRefused(Exception):
+    """A checkpoint's export cannot start now; the message says why and what to do."""
+
+
 class RunInvalid(Exception):
     def __init__(self, errors: dict[str, list[str]]):
         self.errors = errors
@@ -57,6 +67,8 @@ def run_create(
         )
     if dataset is not None and dataset.project_id != project.id:
         raise RunInvalid({"dataset": ["Dataset not found."]})
+    if errors := _cluster_errors(config):
+        raise RunInvalid(errors)
     run = Run.objects.create(
         project=project,
         name=name,
@@ -71,6 +83,31 @@ def run_create(
         message=f"Run created in {config.mode} mode on {config.base_model}.",
     )
     return run
+
+
+def _cluster_errors(config: RunConfig) -> dict[str, list[str]]:
+    """What the Ray cluster, as a run's job last reported it, cannot give ``config``
+    (``workers.capacity``, the rule the job applies); nothing before any report."""
+    report = ClusterReport.objects.first()
+    if report is None:
+        return {}
+    resources = {"GPU": report.gpus, "CPU": report.cpus}
+    when = f"(as a run last reported it, {report.reported_at:%Y-%m-%d %H:%M} UTC)"
+    errors: dict[str, list[str]] = {}
+    if config.precision == "bf16" and not report.gpus:
+        errors["precision"] = [
+            f"precision bf16 needs GPUs, and the Ray cluster has none {when}; use auto or fp32."
+        ]
+    try:
+        backend = resolve_backend(config.inference_backend, resources)
+    except CapacityError as exc:
+        errors["inference_backend"] = [f"{exc} {when}"]
+        return errors
+    try:
+        check_capacity(config, backend, resources)
+    except CapacityError as exc:
+        errors["train_workers"] = [f"{exc} {when}"]
+    return errors
 
 
 def run_clone(
@@ -205,3 +242,78 @@ def run_mark_running(*, run: Run, message: str = "") -> Run:
     for status in path:
         run = run_transition(run=run, to=status, message=message)
     return run
+
+
+def checkpoint_export_request(*, checkpoint: Checkpoint) -> Checkpoint:
+    """Export ``checkpoint`` as a standalone model folder, in a worker (``webapp.runs.exporting``).
+
+    Idempotent: a finished export whose folder is still there is returned as it is; a
+    failed one is tried again. Raises ``ExportRefused`` while an export is running, or when
+    the checkpoint's files are gone.
+    """
+    from webapp.runs.tasks import checkpoint_export
+
+    E = Checkpoint.ExportStatus
+    now = timezone.now()
+    with transaction.atomic():
+        checkpoint = (
+            Checkpoint.objects.select_for_update().select_related("run").get(pk=checkpoint.pk)
+        )
+        if checkpoint.export_status == E.DONE and Path(checkpoint.export_path).is_dir():
+            return checkpoint
+        started = checkpoint.export_started_at
+        if checkpoint.export_status == E.RUNNING and started and started > now - EXPORT_TIMEOUT:
+            raise ExportRefused(
+                f"An export of the checkpoint at step {checkpoint.step} is still running "
+                f"(started {started:%Y-%m-%d %H:%M:%S} UTC); wait until its export_status is done or failed."
+            )
+        if not Path(checkpoint.path).is_dir():
+            raise ExportRefused(
+                f"The files of the checkpoint at step {checkpoint.step} are gone ({checkpoint.path}); "
+                "there is nothing to export."
+            )
+        checkpoint.export_status = E.RUNNING
+        checkpoint.export_path = ""
+        checkpoint.export_error = ""
+        checkpoint.export_started_at = now
+        checkpoint.export_finished_at = None
+        checkpoint.save(
+            update_fields=[
+                "export_status",
+                "export_path",
+                "export_error",
+                "export_started_at",
+                "export_finished_at",
+            ]
+        )
+        RunEvent.objects.create(
+            run=checkpoint.run,
+            kind="export",
+            message=f"Export of the checkpoint at step {checkpoint.step} requested.",
+        )
+    checkpoint_id = checkpoint.pk
+    transaction.on_commit(lambda: checkpoint_export.delay(checkpoint_id))
+    return checkpoint
+
+
+def checkpoint_export_finish(
+    *, checkpoint: Checkpoint, path: str = "", error: str = ""
+) -> Checkpoint:
+    """Record the end of ``checkpoint``'s export: its folder, or why it failed."""
+    E = Checkpoint.ExportStatus
+    checkpoint.export_status = E.FAILED if error else E.DONE
+    checkpoint.export_path = "" if error else path
+    checkpoint.export_error = error
+    checkpoint.export_finished_at = timezone.now()
+    checkpoint.save(
+        update_fields=["export_status", "export_path", "export_error", "export_finished_at"]
+    )
+    outcome = (
+        f"failed: {error.splitlines()[-1] if error else ''}" if error else f"written to {path}"
+    )
+    RunEvent.objects.create(
+        run=checkpoint.run,
+        kind="export",
+        message=f"Export of the checkpoint at step {checkpoint.step} {outcome}",
+    )
+    return checkpoint

@@ -1,6 +1,6 @@
 """The runs app's Celery tasks (``celery -A workers worker -B`` finds them): each takes ids
-and calls one service in ``webapp.runs.launching``. The names are what the beat schedule
-(``CELERY_BEAT_SCHEDULE``) and the queue refer to; keep them."""
+and calls one service in ``webapp.runs.launching`` (or ``webapp.runs.exporting``). The
+names are what the beat schedule (``CELERY_BEAT_SCHEDULE``) and the queue refer to; keep them."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import logging
 from celery import shared_task
 from celery.signals import worker_ready
 
-from webapp.runs import demo_agent, launching
+from webapp.runs import demo_agent, exporting, launching
 
 logger = logging.getLogger(__name__)
 
@@ -22,6 +22,11 @@ def run_launch(run_id: str) -> str:
 @shared_task(name="runs.shutdown")
 def run_shutdown(run_id: str, grace_s: float = 120.0) -> str:
     return launching.run_shutdown(run_id=run_id, grace_s=grace_s)
+
+
+@shared_task(name="runs.export_checkpoint")
+def checkpoint_export(checkpoint_id: int) -> str:
+    return exporting.checkpoint_export_execute(checkpoint_id=checkpoint_id)
 
 
 @shared_task(name="runs.reconcile")

@@ -1,0 +1,61 @@
+"""Hugging Face causal LMs as the trainer, LoRA and exports load them, and their tokenizer files."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from packaging.version import Version
+
+# A model directory's tokenizer files, copied as they are into saved weights and exports.
+TOKENIZER_FILES = (
+    "tokenizer*",
+    "special_tokens_map.json",
+    "vocab*",
+    "merges.txt",
+    "*.jinja",
+    "chat_template*",
+    "*.model",
+)
+
+
+def dtype_kwargs(dtype: torch.dtype) -> dict[str, Any]:
+    import transformers
+
+    # `dtype` replaced `torch_dtype` in transformers 4.56; older releases ignore it.
+    key = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
+    return {key: dtype}
+
+
+def load_causal_lm(
+    path: str | os.PathLike,
+    dtype: torch.dtype,
+    device: torch.device,
+    attn_implementation: str | None = None,
+) -> Any:
+    """A HF causal LM from a local directory (or hub id), dropout disabled.
+
+    Dropout off keeps θ == p at the start of a step (ratio exactly 1) and makes the
+    recomputed logprobs deterministic; RL fine-tuning does not want it anyway.
+    ``attn_implementation`` None keeps transformers' default (sdpa).
+    """
+    from transformers import AutoModelForCausalLM
+
+    extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    model: Any = AutoModelForCausalLM.from_pretrained(str(path), **dtype_kwargs(dtype), **extra)
+    model.to(device)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model
+
+
+def config_dtype(path: str | os.PathLike) -> torch.dtype:
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(str(path))
+    dtype = cfg.__dict__.get("dtype") or cfg.__dict__.get("torch_dtype")
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32

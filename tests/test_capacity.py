@@ -1,0 +1,59 @@
+"""What a run asks of the Ray cluster (workers.capacity): pure rules, no Ray."""
+
+from __future__ import annotations
+
+import pytest
+
+from rl_core.config import RunConfig
+from workers.capacity import (
+    CapacityError,
+    check_capacity,
+    placement_timeout_s,
+    resolve_backend,
+    run_needs,
+)
+
+GPU_NODE = {"GPU": 8.0, "CPU": 64.0}
+CPU_NODE = {"CPU": 4.0}
+
+
+def config(**settings) -> RunConfig:
+    return RunConfig.from_dict({"base_model": "m", "mode": "online", **settings})
+
+
+def test_auto_picks_sglang_on_a_cluster_with_gpus_and_the_torch_engine_without():
+    assert resolve_backend("auto", GPU_NODE) == "sglang"
+    assert resolve_backend("auto", CPU_NODE) == "torch"
+    assert resolve_backend("torch", GPU_NODE) == "torch"
+    with pytest.raises(CapacityError, match="no GPUs"):
+        resolve_backend("sglang", CPU_NODE)
+
+
+def test_each_trainer_worker_and_sglang_server_takes_a_gpu():
+    needs = run_needs(config(train_workers=4, num_inference_servers=3), "sglang", GPU_NODE)
+    assert (needs.kind, needs.total) == ("GPU", 7.0)
+    assert needs.trainer_bundle == {"CPU": 1.0, "GPU": 1.0}
+    # A torch engine on a GPU cluster takes a CPU, not a GPU.
+    assert run_needs(config(train_workers=4), "torch", GPU_NODE).total == 4.0
+    on_cpus = run_needs(config(train_workers=2, num_inference_servers=2), "torch", CPU_NODE)
+    assert (on_cpus.kind, on_cpus.total, on_cpus.trainer_bundle) == ("CPU", 4.0, {"CPU": 1.0})
+
+
+def test_a_run_larger_than_the_cluster_is_refused_with_the_numbers():
+    with pytest.raises(CapacityError) as caught:
+        check_capacity(config(train_workers=4), "sglang", {"GPU": 2.0, "CPU": 16.0})
+    assert str(caught.value).startswith(
+        "train_workers=4 and 1 SGLang server need 5 GPUs; the cluster has 2."
+    )
+    check_capacity(config(train_workers=7), "sglang", GPU_NODE)  # exactly fits
+
+
+def test_the_placement_timeout_comes_from_the_environment(monkeypatch):
+    monkeypatch.delenv("STEEP_PLACEMENT_TIMEOUT_S", raising=False)
+    assert placement_timeout_s() == 600.0
+    monkeypatch.setenv("STEEP_PLACEMENT_TIMEOUT_S", "45")
+    assert placement_timeout_s() == 45.0
+    for bad in ("soon", "0"):
+        monkeypatch.setenv("STEEP_PLACEMENT_TIMEOUT_S", bad)
+        with pytest.raises(ValueError, match="STEEP_PLACEMENT_TIMEOUT_S"):
+            placement_timeout_s()

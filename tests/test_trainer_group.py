@@ -1,0 +1,152 @@
+"""The trainer as Ray actors on a real local Ray (CPU, gloo): two FSDP2 workers take steps,
+save weights and checkpoints, resume; a run too big for the cluster fails with the numbers;
+a failing worker takes the whole group down instead of leaving the other blocked."""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+
+import pytest
+import torch
+
+from rl_core.config import RunConfig
+from rl_core.types import Trajectory
+from workers.capacity import CapacityError
+
+pytestmark = pytest.mark.slow
+
+CPUS = 2
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    import ray
+
+    from workers.ray_cluster import _pids_naming
+
+    temp_dir = tempfile.mkdtemp(prefix="steep-ray-tg-")
+    saved = {k: os.environ.pop(k) for k in ("RAY_ADDRESS",) if k in os.environ}
+    ray.init(
+        num_cpus=CPUS,
+        include_dashboard=False,
+        logging_level=logging.WARNING,
+        _temp_dir=temp_dir,
+    )
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+        os.environ.update(saved)
+        # Nothing of this cluster outlives the test (its processes name its temp dir).
+        deadline = time.monotonic() + 30
+        while _pids_naming(temp_dir) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not _pids_naming(temp_dir), "Ray processes were left behind"
+
+
+def _config(model_dir, **overrides) -> RunConfig:
+    return RunConfig.from_dict(
+        {
+            "base_model": str(model_dir),
+            "mode": "online",
+            "batch_size": 4,
+            "ppo_minibatches": 2,
+            "learning_rate": 1e-3,
+            "micro_batch_tokens": 16,
+            "train_workers": 2,
+            **overrides,
+        }
+    )
+
+
+def _batch() -> list[Trajectory]:
+    g = torch.Generator().manual_seed(0)
+    trajs = []
+    for i in range(4):
+        ids = torch.randint(0, 256, (6 + 3 * i,), generator=g).tolist()
+        mask = [0, 0] + [1] * (len(ids) - 2)
+        logprobs = [-1.5 * m for m in mask]
+        versions = [0 if m else -1 for m in mask]
+        trajs.append(Trajectory(ids, mask, logprobs, versions, [float(i % 2)]))
+    return trajs
+
+
+def _weights(path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))
+
+
+def test_two_trainer_actors_train_save_and_resume(local_ray, tiny_model_dir, tmp_path):
+    from workers.trainer_group import TrainerGroup
+
+    group = TrainerGroup(
+        _config(tiny_model_dir),
+        bundle={"CPU": 1.0},
+        placement_timeout_s=120,
+        env={"STEEP_TORCH_THREADS": "1"},
+    )
+    try:
+        assert group.version == 0
+        batch = _batch()
+        group.save_weights(str(tmp_path / "w0"))
+        stats = group.train_step(batch)
+        assert group.version == 1 and stats["version"] == 1.0
+        assert stats["rollout/num_trajectories"] == 4.0 and stats["ppo/grad_norm"] > 0
+        group.save_checkpoint(str(tmp_path / "ckpt"))
+        group.save_weights(str(tmp_path / "w1"))
+        group.train_step(batch)
+        group.save_weights(str(tmp_path / "w2"))
+
+        group.load_checkpoint(str(tmp_path / "ckpt"))
+        assert group.version == 1
+        group.train_step(batch)
+        group.save_weights(str(tmp_path / "w2-again"))
+    finally:
+        group.close()
+
+    w0, w1, w2 = (_weights(tmp_path / name) for name in ("w0", "w1", "w2"))
+    assert any(not torch.equal(w0[k], w1[k]) for k in w0), "the first step changed the weights"
+    assert any(not torch.equal(w1[k], w2[k]) for k in w1)
+    again = _weights(tmp_path / "w2-again")
+    assert all(torch.equal(w2[k], again[k]) for k in w2), "a resumed step repeats the step exactly"
+    assert (tmp_path / "ckpt" / "trainer_state.pt").exists()
+
+
+def test_trainer_workers_the_cluster_cannot_place_fail_with_the_numbers(local_ray, tiny_model_dir):
+    from ray.util import placement_group_table
+
+    from workers.trainer_group import TrainerGroup
+
+    started = time.monotonic()
+    with pytest.raises(CapacityError) as caught:
+        TrainerGroup(
+            _config(tiny_model_dir, train_workers=CPUS + 1),
+            bundle={"CPU": 1.0},
+            placement_timeout_s=3,
+        )
+    assert time.monotonic() - started < 30
+    message = str(caught.value)
+    assert f"train_workers={CPUS + 1}" in message and "within 3 s" in message, message
+    assert f"{CPUS:g} CPU" in message, message
+    states = [pg["state"] for pg in placement_group_table().values()]
+    assert "PENDING" not in states and "CREATED" not in states, states  # given back
+
+
+def test_a_failing_worker_stops_the_whole_group(local_ray, tiny_model_dir, tmp_path):
+    import ray
+
+    from workers.trainer_group import TrainerGroup
+
+    group = TrainerGroup(_config(tiny_model_dir), bundle={"CPU": 1.0}, placement_timeout_s=120)
+    actors = list(group._actors)
+    # Rank 0 cannot read it; rank 1 waits in the broadcast that would follow.
+    with pytest.raises(FileNotFoundError):
+        group.load_checkpoint(str(tmp_path / "missing"))
+    for actor in actors:
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(actor.train_step.remote([]), timeout=60)
+    group.close()  # idempotent after the failure

@@ -1,0 +1,96 @@
+"""What a run asks of its Ray cluster, checked before anything starts.
+
+A run needs ``train_workers`` trainer processes and ``num_inference_servers`` inference
+servers. On a cluster with GPUs each trainer worker takes one GPU, and so does each
+SGLang server (the torch engine takes a CPU); on a CPU-only cluster each takes one CPU.
+``check_capacity`` compares that with the cluster's totals (``ray.cluster_resources()``)
+and refuses a run that could never be placed, naming the numbers; a run that fits the
+totals but not what is free now waits for its placement group up to
+``placement_timeout_s()`` instead of hanging.
+
+Pure functions of the config and the resources dict: no Ray, no torch.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from rl_core.config import RunConfig
+
+PLACEMENT_TIMEOUT_ENV = "STEEP_PLACEMENT_TIMEOUT_S"
+DEFAULT_PLACEMENT_TIMEOUT_S = 600.0
+
+
+class CapacityError(RuntimeError):
+    """The cluster cannot hold the run's trainer workers and inference servers."""
+
+
+def placement_timeout_s() -> float:
+    """How long trainer workers wait for their GPUs/CPUs (``STEEP_PLACEMENT_TIMEOUT_S``)."""
+    raw = os.environ.get(PLACEMENT_TIMEOUT_ENV, "")
+    try:
+        value = float(raw) if raw else DEFAULT_PLACEMENT_TIMEOUT_S
+    except ValueError:
+        raise ValueError(f"{PLACEMENT_TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+    if value <= 0:
+        raise ValueError(f"{PLACEMENT_TIMEOUT_ENV}={raw!r} must be above 0")
+    return value
+
+
+def has_gpus(resources: Mapping[str, float]) -> bool:
+    return float(resources.get("GPU", 0)) > 0
+
+
+def resolve_backend(requested: str, resources: Mapping[str, float]) -> str:
+    """The inference backend for this cluster: ``auto`` is SGLang when the cluster has GPUs
+    (its GPU nodes run Steep's GPU image), else the torch engine.
+
+    Decided from the cluster, not from the node the job's driver happens to run on: the
+    driver needs no GPU since the trainer runs in its own actors.
+    """
+    if requested == "auto":
+        return "sglang" if has_gpus(resources) else "torch"
+    if requested == "sglang" and not has_gpus(resources):
+        raise CapacityError(
+            "inference_backend is 'sglang' but the Ray cluster has no GPUs; "
+            "set inference_backend to 'torch' or 'auto', or add GPU nodes."
+        )
+    return requested
+
+
+@dataclass(frozen=True)
+class Needs:
+    """One run's resources: the kind (``GPU`` or ``CPU``), each trainer worker's and in all."""
+
+    kind: str
+    total: float
+    trainer_bundle: dict[str, float]
+    server_resources: dict[str, float]
+
+
+def run_needs(config: RunConfig, backend: str, resources: Mapping[str, float]) -> Needs:
+    gpus = has_gpus(resources)
+    trainer_bundle = {"CPU": 1.0, "GPU": 1.0} if gpus else {"CPU": 1.0}
+    server = {"CPU": 1.0, "GPU": 1.0} if backend == "sglang" else {"CPU": 1.0}
+    kind = "GPU" if gpus else "CPU"
+    total = config.train_workers * trainer_bundle.get(kind, 0) + (
+        config.num_inference_servers * server.get(kind, 0)
+    )
+    return Needs(kind, total, trainer_bundle, server)
+
+
+def check_capacity(config: RunConfig, backend: str, resources: Mapping[str, float]) -> Needs:
+    """The run's needs; ``CapacityError`` naming the numbers when the cluster is too small."""
+    needs = run_needs(config, backend, resources)
+    have = float(resources.get(needs.kind, 0))
+    if needs.total > have:
+        servers = config.num_inference_servers
+        what = "SGLang server" if backend == "sglang" else "torch-engine inference server"
+        raise CapacityError(
+            f"train_workers={config.train_workers} and {servers} {what}{'s' if servers != 1 else ''} "
+            f"need {needs.total:g} {needs.kind}s; the cluster has {have:g}. "
+            "Lower train_workers or num_inference_servers, or add nodes to the Ray cluster."
+        )
+    return needs
