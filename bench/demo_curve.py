@@ -51,7 +51,7 @@ def main() -> None:
     data_dir.mkdir(parents=True)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    env = steep_env(data_dir=data_dir, site_url=url, local_ray=True, RAY_NUM_CPUS="2")
+    env = steep_env(data_dir=data_dir, site_url=url, local_ray=True)
     with LiveStack(env=env, log_dir=work) as stack:
         model = data_dir / "models" / "tiny-chat"
         stack.manage("migrate", "--noinput", "-v0")
