@@ -39,6 +39,9 @@ class PackedBatch:
     extra: dict[str, torch.Tensor] = field(
         default_factory=dict
     )  # more [T] tensors (advantages, ...)
+    # [T] float: the temperature each token's behaviour logprob was taken at
+    # (rl_core.sampling); None when every token's is 1.0, which skips the division.
+    temperatures: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -54,6 +57,7 @@ class PackedBatch:
             logprobs=self.logprobs.to(device),
             indices=self.indices,
             extra={k: v.to(device) for k, v in self.extra.items()},
+            temperatures=None if self.temperatures is None else self.temperatures.to(device),
         )
 
 
@@ -76,6 +80,12 @@ def pack(
     cu[1:] = torch.cumsum(lengths, 0)
     mask = torch.tensor([m for t in trajs for m in t.loss_mask], dtype=torch.bool)  # [T]
     mask[cu[:-1].long()] = False  # nothing predicts a sequence's first token
+    temperatures = None
+    if any(t.temperatures is not None and any(x != 1.0 for x in t.temperatures) for t in trajs):
+        temperatures = torch.tensor(
+            [x for t in trajs for x in (t.temperatures or [1.0] * len(t.input_ids))],
+            dtype=torch.float32,
+        )  # [T]
     return PackedBatch(
         input_ids=torch.tensor([[x for t in trajs for x in t.input_ids]], dtype=torch.long),
         position_ids=torch.cat([torch.arange(n) for n in lengths.tolist()])[None],
@@ -88,6 +98,7 @@ def pack(
             name: torch.cat([torch.as_tensor(vals[i]).reshape(-1) for i in idx])
             for name, vals in (extra or {}).items()
         },
+        temperatures=temperatures,
     )
 
 
@@ -132,7 +143,7 @@ def packed_logprobs(
     model: torch.nn.Module,
     batch: PackedBatch,
     *,
-    temperature: float = 1.0,
+    temperature: float | None = None,
     with_entropy: bool = False,
     entropy_grad: bool = True,
     chunk_tokens: int = 1024,
@@ -143,6 +154,12 @@ def packed_logprobs(
     first entry is 0. ``entropy[t]`` is the entropy of that predictive distribution
     (``entropy_grad=False`` detaches it: a logged stat then costs no activation memory).
     Gradients flow when called outside ``torch.no_grad``.
+
+    The distribution is ``softmax(logits / T)`` with ``T`` the scored token's own
+    temperature (``batch.temperatures``: the one its behaviour logprob was taken at, see
+    ``rl_core.sampling``), or ``temperature`` for every token when given. The division
+    is per chunk, like a single temperature's: per-token temperatures cost no extra
+    ``[T, V]`` tensor, and a batch at temperature 1 skips it.
     """
     ids, pos = batch.input_ids, batch.position_ids  # [1, T], [1, T]
     kwargs: dict = {"position_ids": pos, "use_cache": False}
@@ -154,11 +171,17 @@ def packed_logprobs(
         )
     logits = model(input_ids=ids, **kwargs).logits[0, :-1]  # [T-1, V]: row t predicts token t+1
     targets = ids[0, 1:]  # [T-1]
+    temps = None if temperature is not None or batch.temperatures is None else batch.temperatures
+    scale = temps[1:, None] if temps is not None else temperature  # [T-1, 1] | float | None
     lps, ents = [], []
     # Chunked so that, without grad (proximal/reference passes), no float32 copy of all
     # T x V logits is ever alive at once; with grad, autograd keeps each chunk anyway.
     for start in range(0, logits.shape[0], chunk_tokens):
-        lg = logits[start : start + chunk_tokens].float() / temperature  # [C, V]
+        lg = logits[start : start + chunk_tokens].float()  # [C, V]
+        if isinstance(scale, torch.Tensor):
+            lg = lg / scale[start : start + chunk_tokens]  # row t: token t+1's temperature
+        elif scale is not None and scale != 1.0:
+            lg = lg / scale
         lse = torch.logsumexp(lg, dim=-1)  # [C]
         lps.append(lg.gather(-1, targets[start : start + chunk_tokens, None])[:, 0] - lse)  # [C]
         if with_entropy:

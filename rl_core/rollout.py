@@ -40,6 +40,7 @@ from rl_core.loop import (
     WeightSync,
 )
 from rl_core.rewards import RewardFn, load_reward_fn, score
+from rl_core.sampling import TurnSampling
 from rl_core.staleness import StalenessController
 from rl_core.types import PROMPT_VERSION, Trajectory
 
@@ -74,6 +75,7 @@ class Episode:
 
     def to_trajectory(self) -> Trajectory:
         n_prompt = len(self.input_ids)
+        temperature = TurnSampling.from_params(self.sampling).logprob_temperature
         return Trajectory(
             input_ids=[*self.input_ids, *self.output_ids],
             loss_mask=[0] * n_prompt + [1] * len(self.output_ids),
@@ -82,6 +84,9 @@ class Episode:
             rewards=[float(self.reward)],
             group_id=self.group_id,
             session_id=self.episode_id,
+            temperatures=None
+            if temperature == 1.0
+            else [1.0] * n_prompt + [temperature] * len(self.output_ids),
             metadata={
                 "finish_reason": self.finish_reason,
                 "task_id": self.task_id,

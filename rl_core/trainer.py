@@ -142,10 +142,6 @@ class PPOTrainer:
             lambda step: lr_factor(step, cfg.lr_schedule, cfg.lr_warmup_steps, cfg.max_steps),
         )
         self.version = 0
-        # Inference servers report logprobs of the raw logits (temperature 1, before
-        # top-p/top-k; see rl_core.inference), so behaviour, proximal and current
-        # logprobs are all the same quantity.
-        self.temperature = 1.0
 
     # ------------------------------------------------------------------ training
 
@@ -193,14 +189,12 @@ class PPOTrainer:
             for _, micro in plan:
                 for mb in micro:
                     if cfg.use_decoupled_loss:
-                        mb.extra["proximal"] = packed_logprobs(
-                            self.model, mb, temperature=self.temperature
-                        )[0]
+                        # Each token at its own turn's temperature (mb.temperatures), as its
+                        # behaviour logprob was taken: see rl_core.sampling.
+                        mb.extra["proximal"] = packed_logprobs(self.model, mb)[0]
                     if cfg.kl_coef > 0:
                         with lora.reference(self.model, self.ref_model) as ref:
-                            mb.extra["ref"] = packed_logprobs(
-                                ref, mb, temperature=self.temperature
-                            )[0]
+                            mb.extra["ref"] = packed_logprobs(ref, mb)[0]
 
         acc = StatsAccumulator()
         losses, grad_norms, skipped = [], [], 0
@@ -303,7 +297,6 @@ class PPOTrainer:
             logprobs, entropy = packed_logprobs(
                 self.model,
                 mb,
-                temperature=self.temperature,
                 with_entropy=True,
                 entropy_grad=self.loss_cfg.entropy_coef > 0,
             )

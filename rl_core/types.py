@@ -32,15 +32,21 @@ class Trajectory:
     session_id: str = ""
     turn_ends: list[int] | None = None  # exclusive end index of each assistant turn
     metadata: dict[str, Any] = field(default_factory=dict)
+    # The temperature each token's behaviour logprob was taken at (rl_core.sampling); the
+    # trainer recomputes at the same one. None: 1.0 everywhere. Prompt tokens: 1.0 (untrained).
+    temperatures: list[float] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.input_ids)
-        for name in ("loss_mask", "logprobs", "versions"):
+        per_token = ("loss_mask", "logprobs", "versions")
+        for name in per_token + (("temperatures",) if self.temperatures is not None else ()):
             if len(getattr(self, name)) != n:
                 raise ValueError(
                     f"Trajectory.{name} has {len(getattr(self, name))} entries but input_ids has {n}; "
                     "every per-token list must have one entry per token."
                 )
+        if self.temperatures is not None and not all(t > 0 for t in self.temperatures):
+            raise ValueError("Trajectory.temperatures must all be > 0 (1.0 for greedy tokens).")
         if any(m not in (0, 1) for m in self.loss_mask):
             raise ValueError("Trajectory.loss_mask must contain only 0 and 1.")
         if not any(self.loss_mask):
@@ -114,6 +120,9 @@ class Trajectory:
             "session_id": self.session_id,
             "turn_ends": None if self.turn_ends is None else list(self.turn_ends),
             "metadata": dict(self.metadata),
+            "temperatures": None
+            if self.temperatures is None
+            else [float(x) for x in self.temperatures],
         }
 
     @classmethod
@@ -132,10 +141,13 @@ class Trajectory:
             "session_id",
             "turn_ends",
             "metadata",
+            "temperatures",
         }
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"Unknown trajectory fields: {', '.join(unknown)}.")
         data["rewards"] = [float(r) for r in data["rewards"]]
         data["logprobs"] = [float(x) for x in data["logprobs"]]
+        if data.get("temperatures") is not None:
+            data["temperatures"] = [float(x) for x in data["temperatures"]]
         return cls(**data)

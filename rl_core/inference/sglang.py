@@ -6,10 +6,11 @@ Same interface as the torch engine's launcher (``InferenceServer`` in
 ``--max-running-requests``, ``--context-length``, ``--dtype``, ``--base-gpu-id``,
 ``--served-model-name``, ``--random-seed``, ``--weight-version``, ``--log-level``).
 
-The server is started with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` so that
-``output_token_logprobs`` are log-probs of the raw logits (before temperature),
-the same quantity the torch engine reports and the trainer recomputes; SGLang's
-default is the post-temperature log-prob.
+``output_token_logprobs`` must be log-probs of the distribution actually sampled,
+``log_softmax(logits / temperature)``: SGLang's default, what the torch engine reports
+and what the trainer recomputes per token (``rl_core.sampling``). SGLang reports the
+raw-logit (temperature-1) log-prob instead when ``SGLANG_RETURN_ORIGINAL_LOGPROB`` is
+true, so the launcher sets it to false, whatever the calling environment says.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 from rl_core.inference.process import InferenceServer
 
 # Both spellings: older SGLang releases read RETURN_ORIGINAL_LOGPROB.
-LOGPROB_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1", "RETURN_ORIGINAL_LOGPROB": "1"}
+LOGPROB_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "false", "RETURN_ORIGINAL_LOGPROB": "false"}
 
 
 class SGLangServer(InferenceServer):

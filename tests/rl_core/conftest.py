@@ -63,16 +63,18 @@ class Reference:
             ).eval()
         return self._models[key]
 
-    def logprobs(self, model_dir: str | Path, prompt: list[int], output: list[int]) -> Any:
-        """Log-prob of each output token given everything before it (raw logits, temperature 1)."""
+    def logprobs(
+        self, model_dir: str | Path, prompt: list[int], output: list[int], temperature: float = 1.0
+    ) -> Any:
+        """Log-prob of each output token given everything before it: log_softmax(logits / T)."""
         import torch
 
         ids = torch.tensor([prompt + output])
         with torch.no_grad():
             logits = self.model(model_dir)(ids).logits[0, len(prompt) - 1 : -1]  # [n_out, V]
-        return torch.log_softmax(logits.float(), dim=-1).gather(-1, torch.tensor(output)[:, None])[
-            :, 0
-        ]
+        return torch.log_softmax(logits.float() / temperature, dim=-1).gather(
+            -1, torch.tensor(output)[:, None]
+        )[:, 0]
 
     def greedy(self, model_dir: str | Path, prompt: list[int], n: int) -> list[int]:
         import torch

@@ -2,6 +2,7 @@
 
 import datetime
 import json
+import math
 
 import pytest
 import torch
@@ -39,6 +40,8 @@ def _batch(trainer, lengths=(5, 7, 9, 11, 13)):
         ids = torch.randint(0, 256, (length,), generator=g).tolist()
         mask = [0, 0] + [1] * (len(ids) - 2)
         traj = Trajectory(ids, mask, [0.0] * len(ids), [0 if m else -1 for m in mask], [float(i)])
+        # Each sequence sampled at its own temperature: ranks and micro-batches mix them.
+        traj.temperatures = [1.0] * 2 + [0.6 + 0.2 * i] * (len(ids) - 2)
         with torch.no_grad():
             logprobs, _ = packed_logprobs(trainer.model, pack([traj]))
         # Slightly off-policy behaviour logprobs exercise the importance weights too.
@@ -128,6 +131,8 @@ def test_two_ranks_end_with_identical_weights_equal_to_one_process(model_path, t
     assert stats["ppo/behav_imp_weight_max"] == pytest.approx(
         single_stats["ppo/behav_imp_weight_max"]
     )
+    # Recomputed at each token's temperature, the only gap is _batch's offset of 0.05 * i.
+    assert stats["ppo/behav_imp_weight_max"] == pytest.approx(math.exp(0.05 * 4), rel=1e-3)
     assert (tmp_path / "ckpt" / "trainer_state.pt").exists()
 
 

@@ -85,6 +85,29 @@ def test_temperature_scales_the_logits(model):
     assert_close(logprobs[1:], expected)
 
 
+def test_each_token_is_scored_at_its_own_temperature_across_packed_sequences_and_chunks(model):
+    g = torch.Generator().manual_seed(1)
+    trajs = [_traj(torch.randint(0, 256, (n,), generator=g).tolist(), 2) for n in (6, 5, 7)]
+    trajs[0].temperatures = [1.0] * 2 + [0.5] * 4
+    trajs[2].temperatures = [1.0] * 2 + [0.5, 0.5, 1.5, 1.5, 1.5]  # two turns, two settings
+    batch = pack(trajs)  # trajs[1] has None: 1.0 everywhere
+    assert batch.temperatures is not None and batch.temperatures.shape == (18,)
+    logprobs, entropy = packed_logprobs(model, batch, with_entropy=True, chunk_tokens=4)
+    for i, traj in enumerate(trajs):
+        ids = torch.tensor([traj.input_ids])  # [1, L]
+        temps = torch.tensor(traj.temperatures or [1.0] * len(traj.input_ids))  # [L]
+        logp = torch.log_softmax(model(ids).logits[0, :-1] / temps[1:, None], -1)  # [L-1, V]
+        start, end = batch.cu_seqlens[i].item(), batch.cu_seqlens[i + 1].item()
+        assert_close(logprobs[start + 1 : end], logp.gather(-1, ids[0, 1:, None])[:, 0])
+        assert_close(entropy[start + 1 : end], -(logp.exp() * logp).sum(-1))
+
+
+def test_a_batch_at_temperature_one_carries_no_temperatures():
+    traj = _traj([1, 2, 3], 1)
+    traj.temperatures = [1.0, 1.0, 1.0]
+    assert pack([traj, _traj([4, 5], 1)]).temperatures is None
+
+
 def test_packed_logprobs_carry_gradients(model):
     batch = pack([_traj([1, 2, 3], 1), _traj([4, 5, 6], 1)])
     logprobs, _ = packed_logprobs(model, batch)
@@ -103,6 +126,7 @@ def test_trajectory_round_trips_through_json():
         group_id="g",
         session_id="s",
         metadata={"k": "v"},
+        temperatures=[1.0, 0.7, 1.0, 1.3, 1.3],
     )
     again = Trajectory.from_dict(json.loads(json.dumps(traj.to_dict())))
     assert again == traj
@@ -130,6 +154,8 @@ def test_trajectory_accepts_a_single_final_reward():
         ({"loss_mask": [1, 1, 1]}, "first token"),
         ({"versions": [-1, -1, 0]}, "policy version"),
         ({"rewards": [1.0, 2.0]}, "1 assistant turns but 2 rewards"),
+        ({"temperatures": [1.0, 1.0]}, "temperatures has 2 entries"),
+        ({"temperatures": [1.0, 0.0, 1.0]}, "temperatures must all be > 0"),
     ],
 )
 def test_trajectory_validation_says_what_is_wrong(change, message):

@@ -55,9 +55,14 @@ def test_sglang_command_line_uses_launch_server_flags(tmp_path):
     ]  # fmt: skip
     assert server.url == "http://127.0.0.1:30001"  # 0.0.0.0 is reached through loopback
     env = server.environment()
-    assert (
-        env["SGLANG_RETURN_ORIGINAL_LOGPROB"] == "1"
-    )  # logprobs before temperature, like the torch engine
+    # Logprobs after temperature (SGLang's default), like the torch engine and the trainer.
+    assert env["SGLANG_RETURN_ORIGINAL_LOGPROB"] == "false"
+    assert env["RETURN_ORIGINAL_LOGPROB"] == "false"
+
+
+def test_sglang_launcher_overrides_an_inherited_return_original_logprob(monkeypatch):
+    monkeypatch.setenv("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")
+    assert SGLangServer("/m", port=5).environment()["SGLANG_RETURN_ORIGINAL_LOGPROB"] == "false"
 
 
 def test_minimal_sglang_command_line_leaves_defaults_to_sglang():

@@ -45,7 +45,7 @@ async def wait_for(predicate: Any, timeout: float = 30.0) -> None:
 # --------------------------------------------------------------------------- /generate
 
 
-async def test_generate_returns_sglang_fields_and_logprobs_of_the_raw_logits(
+async def test_generate_returns_sglang_fields_and_logprobs_of_the_tempered_logits(
     torch_engine, tiny_model_dir, reference
 ):
     data = await generate(
@@ -61,7 +61,8 @@ async def test_generate_returns_sglang_fields_and_logprobs_of_the_raw_logits(
     triples = meta["output_token_logprobs"]
     assert [t[1] for t in triples] == data["output_ids"]
     assert all(t[2] is None for t in triples)  # text only with return_text_in_logprobs
-    expected = reference.logprobs(tiny_model_dir, PROMPT, data["output_ids"])
+    # log_softmax(logits / 0.8), before top-p: as SGLang reports it (rl_core.sampling).
+    expected = reference.logprobs(tiny_model_dir, PROMPT, data["output_ids"], temperature=0.8)
     torch.testing.assert_close(
         torch.tensor([t[0] for t in triples]), expected, atol=1e-4, rtol=1e-4
     )

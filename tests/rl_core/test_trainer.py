@@ -271,6 +271,7 @@ async def test_trainer_agrees_with_the_inference_servers_logprobs_before_and_aft
             versions=[-1] * len(prompt) + result.versions,
             rewards=[reward],
             group_id="g",
+            temperatures=[1.0] * len(prompt) + [0.8] * n,  # the turn's, as recorded
         )
 
     async with InferenceClient(server.url) as client:

@@ -185,7 +185,33 @@ def test_episodes_are_recorded_like_gateway_sessions_and_claimed_once(job, runni
     assert trajectory["loss_mask"] == [0, 0, 0, 1, 1]
     assert trajectory["versions"] == [-1, -1, -1, 0, 0]
     assert trajectory["group_id"] == "g1"
+    assert trajectory["temperatures"] is None  # no sampling given: temperature 1
     assert job("POST", "claim", {"limit": 5}).json()["sessions"] == []
+
+
+def test_an_episodes_sampling_settings_are_stored_on_its_turn_and_reach_the_trajectory(
+    job, running
+):
+    sampled = episode(1.0) | {"sampling": {"temperature": 0.5, "top_p": 0.9, "top_k": 20}}
+    greedy = episode(0.0) | {"sampling": {"temperature": 0.0}}
+    ids = job("POST", "episodes", {"episodes": [sampled, greedy]}).json()["sessions"]
+    turns = {
+        str(i.session_id): (i.temperature, i.top_p, i.top_k)
+        for i in Interaction.objects.filter(session_id__in=ids)
+    }
+    assert [turns[sid] for sid in ids] == [(0.5, 0.9, 20), (0.0, 1.0, -1)]
+    claimed = {
+        item["session_id"]: item["trajectories"][0]
+        for item in job("POST", "claim", {"limit": 2}).json()["sessions"]
+    }
+    # The tokens' logprob temperatures: the prompt's and a greedy turn's are 1.
+    assert claimed[ids[0]]["temperatures"] == [1.0, 1.0, 1.0, 0.5, 0.5]
+    assert claimed[ids[1]]["temperatures"] is None
+
+
+def test_an_episode_with_a_non_numeric_temperature_is_refused(job, running):
+    bad = episode(1.0) | {"sampling": {"temperature": "hot"}}
+    assert "sampling.temperature" in error_message(job("POST", "episodes", {"episodes": [bad]}))
 
 
 def test_trained_and_released_sessions_change_state(job, running):

@@ -22,6 +22,7 @@ class ChatRequest:
     max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = -1  # not OpenAI's; SGLang's and vLLM's extension (the SDK's extra_body)
     n: int = 1
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
@@ -47,6 +48,7 @@ class ChatRequest:
                 self.max_tokens,
                 self.temperature,
                 self.top_p,
+                self.top_k,
                 self.n,
                 self.seed,
                 self.stop,
@@ -62,6 +64,8 @@ class ChatRequest:
             "top_p": self.top_p,
             "stop_token_ids": stop_token_ids,
         }
+        if self.top_k > 0:
+            params["top_k"] = self.top_k
         if self.stop:
             params["stop"] = self.stop
         if self.presence_penalty:
@@ -99,6 +103,11 @@ def _integer(body: dict, name: str, default: int | None, low: int, high: int) ->
     if not low <= value <= high:
         raise bad_request(f"'{name}' must be between {low} and {high}; got {value}.", param=name)
     return value
+
+
+def _top_k(body: dict) -> int:
+    top_k = _integer(body, "top_k", -1, -1, 1_000_000_000)
+    return -1 if not top_k or top_k < 0 else top_k  # 0 and -1 both mean no top-k
 
 
 def _bool(body: dict, name: str) -> bool:
@@ -218,6 +227,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
+        top_k=_top_k(body),
         n=_integer(body, "n", 1, 1, MAX_N) or 1,
         seed=_integer(body, "seed", None, -(2**63), 2**63 - 1),
         stop=stop_list,

@@ -7,6 +7,8 @@ import uuid
 from django.db import models
 from django.utils import timezone
 
+from rl_core.sampling import TurnSampling
+
 
 class InferenceServer(models.Model):
     """An SGLang-protocol server serving a run's policy."""
@@ -100,6 +102,11 @@ class Interaction(models.Model):
     messages = models.JSONField()
     tools = models.JSONField(null=True, blank=True)
     sampling = models.JSONField(default=dict)
+    # The settings that decide the recorded logprobs (rl_core.sampling): the behaviour
+    # logprob of each output token is log_softmax(logits / temperature), before top-p/top-k.
+    temperature = models.FloatField(default=1.0, help_text="0 for greedy.")
+    top_p = models.FloatField(default=1.0)
+    top_k = models.IntegerField(default=-1, help_text="-1: no top-k.")
     input_ids = models.JSONField(
         help_text="The whole prompt as token ids (earlier turns included)."
     )
@@ -127,3 +134,18 @@ class Interaction(models.Model):
 
     def __str__(self) -> str:
         return self.id
+
+    @staticmethod
+    def sampling_columns(params: dict | None) -> dict:
+        """``temperature``, ``top_p`` and ``top_k`` from SGLang ``sampling_params``; absent ones at their defaults."""
+        settings = TurnSampling.from_params(params)
+        return {
+            "temperature": settings.temperature,
+            "top_p": settings.top_p,
+            "top_k": settings.top_k,
+        }
+
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature its output tokens' logprobs were taken at (1.0 for greedy)."""
+        return TurnSampling(self.temperature, self.top_p, self.top_k).logprob_temperature

@@ -101,7 +101,9 @@ def session_trajectories(
 
     Turns whose prompt extended the previous turn's exact tokens form one sequence
     (the literal stream the model saw); a turn rendered afresh starts a new one.
-    Only the choice the conversation continued with (or choice 0) is trained.
+    Only the choice the conversation continued with (or choice 0) is trained. Each output
+    token carries its turn's logprob temperature (``rl_core.sampling``); ``temperatures``
+    is None when all are 1.0.
     """
     turns = (
         interactions if interactions is not None else list(session.interactions.order_by("turn"))
@@ -118,10 +120,13 @@ def session_trajectories(
         out = last.outputs[last.chosen]
         ids = list(last.input_ids) + list(out["output_ids"])
         mask, logprobs, versions = [0] * len(ids), [0.0] * len(ids), [-1] * len(ids)
+        temperatures = [1.0] * len(ids)  # each output token's: the one its logprob was taken at
         turn_ends, rewards = [], []
         for turn in chain:
             chosen = turn.outputs[turn.chosen]
             start = len(turn.input_ids)
+            n_out = len(chosen["output_ids"])
+            temperatures[start : start + n_out] = [turn.logprob_temperature] * n_out
             for offset, (lp, version) in enumerate(
                 zip(chosen["logprobs"], chosen["versions"], strict=True)
             ):
@@ -147,6 +152,7 @@ def session_trajectories(
                 else "",
                 session_id=f"{session.id}" if len(chains) == 1 else f"{session.id}#{index}",
                 turn_ends=turn_ends,
+                temperatures=temperatures if any(t != 1.0 for t in temperatures) else None,
                 metadata={"task_id": session.task_id, "interactions": [t.id for t in chain]},
             )
         )

@@ -377,6 +377,7 @@ def record(
                 "messages": messages,
                 "tools": tools,
                 "sampling": sampling,
+                **Interaction.sampling_columns(sampling),
                 "input_ids": input_ids,
                 "prefix_reused": prefix_reused,
                 "outputs": outputs,

@@ -133,6 +133,10 @@ def _episode(index: int, episode) -> dict:
     for name, kind in EPISODE_OPTIONAL.items():
         if episode.get(name) is not None and not isinstance(episode[name], kind):
             raise BadRequest(f"'{where}.{name}' must be a {kind.__name__}")
+    sampling = episode.get("sampling") or {}
+    for name in ("temperature", "top_p", "top_k"):  # stored as the turn's own columns
+        if sampling.get(name) is not None and not _is_number(sampling[name]):
+            raise BadRequest(f"'{where}.sampling.{name}' must be a number")
     return episode
 
 

@@ -225,6 +225,7 @@ def job_submit_episodes(*, run: Run, episodes: list[dict]) -> list[str]:
                 request_hash="",
                 messages=episode.get("messages") or [],
                 sampling=episode.get("sampling") or {},
+                **Interaction.sampling_columns(episode.get("sampling")),
                 input_ids=episode["input_ids"],
                 outputs=[output],
                 response=response,

@@ -21,11 +21,10 @@ Endpoints (field names as SGLang's ``http_server.py`` / ``io_struct.py``):
 Semantics that RL relies on:
 
 * ``meta_info.output_token_logprobs`` holds ``[logprob, token_id, text|None]`` per
-  output token, where ``logprob`` is the log-softmax of the model's **raw logits**
-  (temperature 1, before top-k/top-p/min-p) at that position: exactly what a trainer
-  recomputes with a forward pass. (SGLang by default reports the log-prob after
-  temperature scaling; Steep's SGLang launcher sets ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``
-  so both backends agree.)
+  output token, where ``logprob`` is ``log_softmax(logits / temperature)`` at that
+  position (before top-k/top-p/min-p; temperature 1 for a greedy request), as SGLang
+  reports it by default: what the trainer recomputes with each token's temperature
+  (``rl_core.sampling``). Prompt logprobs (``logprob_start_len``) are of the raw logits.
 * ``meta_info.weight_version`` is the version of the weights that produced every
   token of the response: a weight update never lands in the middle of a request
   (it waits for running requests to finish, as SGLang's does, or aborts them).

@@ -22,10 +22,11 @@ import torch
 
 from rl_core.inference.torch_engine.kv_cache import PaddedBatchCache, make_cache
 from rl_core.inference.torch_engine.protocol import BadRequest, GenerateRequest, generate_response
+from rl_core.sampling import SAMPLING_EPS, logprob_temperature
 
 logger = logging.getLogger("rl_core.inference.torch_engine")
 
-_SAMPLING_EPS = 1e-6  # temperatures below this are greedy, as in SGLang
+_SAMPLING_EPS = SAMPLING_EPS  # temperatures below this are greedy, as in SGLang
 
 
 class EngineStopped(RuntimeError):
@@ -357,8 +358,10 @@ class TorchEngine:
     def _advance(self, reqs: list[GenerateRequest], logits: torch.Tensor) -> None:
         """Sample one token per request from ``logits`` [B, V] and check stop conditions."""
         logits = logits.cpu()  # sampling uses per-request CPU generators
-        # Raw logits, temperature 1: the quantity the trainer recomputes.
-        logprobs = torch.log_softmax(logits, dim=-1)
+        # The tempered distribution, as SGLang reports it and the trainer recomputes
+        # (rl_core.sampling): log_softmax(logits / T); greedy requests at T = 1.
+        temps = torch.tensor([[logprob_temperature(r.params.temperature)] for r in reqs])  # [B, 1]
+        logprobs = torch.log_softmax(logits / temps, dim=-1)  # [B, V]
         for i, req in enumerate(reqs):
             token = self._sample(logits[i], req)
             req.output_ids.append(token)
