@@ -250,3 +250,97 @@ def test_launchers_pass_sglangs_lora_flags():
         "all",
     ]
     assert "--enable-lora" not in SGLangServer("/m").command()
+
+
+# --------------------------------------------------------------------------- adapter sync
+
+
+def _perturb_adapter(trainer: Any, seed: int) -> None:
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, param in trainer.model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.2)
+
+
+def _trainer_logprobs(trainer: Any, prompt: list[int], output: list[int]) -> torch.Tensor:
+    ids = torch.tensor([prompt + output])
+    with torch.no_grad():
+        logits = trainer.model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(output)[:, None])[:, 0]
+
+
+async def test_a_lora_sync_step_loads_a_new_adapter_and_retires_the_old_one_without_a_pause(
+    torch_engine_factory, tiny_model_dir, tmp_path
+):
+    from rl_core.adapter_sync import AdapterSync
+    from rl_core.trainer import PPOTrainer
+    from tests.rl_core.test_trainer import _cfg
+
+    server = torch_engine_factory(weight_version=0, lora_rank=8)
+    trainer = PPOTrainer(_cfg(str(tiny_model_dir), lora_rank=8, lora_alpha=16.0))
+    trainer.model.eval()
+    sync = AdapterSync([server.url], tmp_path / "adapters", "run7", keep=1)
+    try:
+        trainer.version = 1
+        _perturb_adapter(trainer, seed=11)
+        assert await sync.push(trainer) == 1 and sync.current == "run7-v1"
+        async with InferenceClient(server.url) as client:
+            await client.slow_down(0.05)
+            try:
+                in_flight = asyncio.create_task(
+                    client.generate(
+                        PROMPT, {"max_new_tokens": 30, "ignore_eos": True}, lora_path="run7-v1"
+                    )
+                )
+                while not (await client.get_server_info())["internal_states"][0][
+                    "num_running_reqs"
+                ]:
+                    await asyncio.sleep(0.01)
+                trainer.version = 2
+                _perturb_adapter(trainer, seed=12)
+                assert await sync.push(trainer) == 2 and sync.current == "run7-v2"
+                await sync.drain()  # v1 is unloaded once its request has finished
+                assert in_flight.done()
+            finally:
+                await client.slow_down(None)
+            old = in_flight.result()
+            # Not aborted, not resumed: no pause happened, and every token is version 1.
+            assert old.finish_reason == "length" and len(old.output_ids) == 30
+            assert old.num_segments == 1 and set(old.versions) == {1}
+            state = (await client.get_server_info())["internal_states"][0]
+            assert state["num_aborted_reqs"] == 0 and state["paused"] is False
+            with pytest.raises(InferenceError, match="not loaded: run7-v1"):
+                await client.generate(PROMPT, {"max_new_tokens": 2}, lora_path="run7-v1")
+            new = await client.generate(
+                PROMPT, {"max_new_tokens": 8, "temperature": 0}, lora_path="run7-v2"
+            )
+            assert set(new.versions) == {2}
+            expected = _trainer_logprobs(trainer, PROMPT, new.output_ids)
+            assert torch.allclose(torch.tensor(new.output_logprobs), expected, atol=2e-3)
+        assert sorted(p.name for p in (tmp_path / "adapters").iterdir()) == ["v2"]
+    finally:
+        await sync.aclose()
+
+
+async def test_the_rollout_driver_generates_under_the_current_versions_adapter(
+    lora_engine, adapters, tiny_model_dir
+):
+    from tests.rl_core.test_rollout import _cfg as rollout_cfg
+    from tests.rl_core.test_rollout import _driver
+
+    cfg = rollout_cfg(tiny_model_dir, lora_rank=8)
+    driver = _driver(cfg, [lora_engine.url], adapter_prefix="runR")
+    async with InferenceClient(lora_engine.url) as client:
+        await client.load_lora_adapter("runR-v1", str(adapters["a"]))
+        try:
+            params = {"max_new_tokens": 4, "temperature": 0}
+            base, _ = await driver._generate(client, PROMPT, params)  # version 0: the base model
+            assert set(base.versions) == {0}
+            driver.controller.on_version(1)
+            tuned, _ = await driver._generate(client, PROMPT, params)
+            assert set(tuned.versions) == {1}
+            expected = _peft_logprobs(tiny_model_dir, adapters["a"], PROMPT, tuned.output_ids)
+            assert torch.allclose(torch.tensor(tuned.output_logprobs), expected, atol=2e-3)
+        finally:
+            await client.unload_lora_adapter("runR-v1")
