@@ -30,6 +30,7 @@ from typing import Any
 from rl_core.chat import ChatTokenizer, load_chat_tokenizer
 from rl_core.checkpoints import latest_checkpoint
 from rl_core.config import RunConfig
+from rl_core.inference.adapters import current_adapter
 from rl_core.inference.client import GenerateResult, InferenceClient
 from rl_core.loop import (
     LoopSummary,
@@ -176,6 +177,7 @@ class RolloutDriver:
         *,
         sampling_overrides: SamplingOverrides | None = None,
         poll_interval: float = 0.01,
+        adapter_prefix: str | None = None,
     ):
         if not urls:
             raise ValueError("RolloutDriver needs at least one inference server URL")
@@ -195,6 +197,8 @@ class RolloutDriver:
         self.sink = sink
         self.sampling_overrides = sampling_overrides
         self.poll_interval = poll_interval
+        # A LoRA run's adapters are named <adapter_prefix>-v<N> (rl_core.adapter_sync).
+        self.adapter_prefix = adapter_prefix
         self.rng = random.Random(cfg.seed)
         self.stats: dict[str, int] = {
             "groups_started": 0,
@@ -327,7 +331,15 @@ class RolloutDriver:
         self, client: InferenceClient, prompt_ids: list[int], params: dict[str, Any]
     ) -> tuple[GenerateResult, float]:
         started = time.perf_counter()
-        result = await client.generate(prompt_ids, params)
+        lora_path = None
+        if self.adapter_prefix is not None:  # the adapter of the current policy version
+            lora_path = current_adapter(
+                self.adapter_prefix,
+                self.controller.version,
+                lora_rank=self.cfg.lora_rank,
+                init_checkpoint=self.cfg.init_checkpoint,
+            )
+        result = await client.generate(prompt_ids, params, lora_path=lora_path)
         return result, (time.perf_counter() - started) * 1000.0
 
     async def _finish_group(

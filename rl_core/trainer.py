@@ -353,6 +353,14 @@ class PPOTrainer:
         state = {k: v.detach().to(self.save_dtype) for k, v in self._model_state().items()}
         return self._save(Path(path), state, self.save_dtype, extra=None)
 
+    def save_adapter(self, path: str | os.PathLike) -> str:
+        """A LoRA run's adapter alone (peft format), for the servers' ``/load_lora_adapter``
+        (``rl_core.adapter_sync``). Rank 0 writes; every rank must call it."""
+        if not self.lora:
+            raise ValueError("save_adapter needs a LoRA run (lora_rank > 0)")
+        adapter = full_model_state(self.model, trainable_only=True) if self.fsdp else None
+        return self._save(Path(path), None, torch.float32, extra=None, adapter=adapter)
+
     def save_checkpoint(self, path: str | os.PathLike) -> str:
         """Everything needed to resume exactly: float32 weights (a LoRA run's: the adapter
         only), tokenizer, optimizer (keyed by parameter name, so any number of workers can

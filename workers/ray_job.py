@@ -24,6 +24,7 @@ import signal
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 import ray
 
@@ -40,7 +41,14 @@ STOP_POLL_S = 2.0
 class InferenceReplica:
     """One inference server (SGLang on a GPU node, the torch engine otherwise) owned by a Ray actor."""
 
-    def __init__(self, backend: str, model_path: str, env: dict[str, str], pid_dir: str = ""):
+    def __init__(
+        self,
+        backend: str,
+        model_path: str,
+        env: dict[str, str],
+        pid_dir: str = "",
+        server_kwargs: dict | None = None,
+    ):
         os.environ.update(env)
         host = (
             "127.0.0.1"
@@ -48,7 +56,12 @@ class InferenceReplica:
             else ray.util.get_node_ip_address()
         )
         self.server = make_inference_server(
-            backend, model_path, host=host, port=free_port(), pid_dir=pid_dir or None
+            backend,
+            model_path,
+            host=host,
+            port=free_port(),
+            pid_dir=pid_dir or None,
+            **(server_kwargs or {}),
         )
         self.server.start()
         self.server.wait_healthy(timeout=float(env.get("STEEP_SERVER_START_TIMEOUT", "600")))
@@ -65,6 +78,7 @@ def _ray_options(resources: dict[str, float]) -> dict:
 
 
 async def run_job(run_id: str, web_url: str, secret: str) -> str:
+    from rl_core.adapter_sync import AdapterSync
     from rl_core.chat import load_chat_tokenizer
     from rl_core.loop import TrainingLoop, WeightSync
     from rl_core.rewards import load_reward_fn
@@ -102,9 +116,15 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
         )
         # On Steep's local Ray head: where the servers are recorded, so a stop of Steep finds them.
         pid_dir = os.environ.get("STEEP_PID_DIR", "")
+        # A LoRA run's servers serve its adapters beside the base model (SGLang's LoRA flags).
+        lora = (
+            {"lora_rank": config.lora_rank, "lora_target_modules": config.lora_target_modules}
+            if config.lora_rank
+            else {}
+        )
         replicas = [
             InferenceReplica.options(**_ray_options(needs.server_resources)).remote(
-                backend, config.base_model, env, pid_dir
+                backend, config.base_model, env, pid_dir, lora
             )
             for _ in range(config.num_inference_servers)
         ]
@@ -125,7 +145,12 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
         )
         reporter = WebReporter(api)
         source = WebSource(api)
-        weight_sync = WeightSync(urls, data_dir / "weights")
+        # LoRA: each version is loaded as a new adapter, no pause (rl_core/adapter_sync.py).
+        weight_sync: Any = (
+            AdapterSync(urls, data_dir / "adapters", prefix=run_id)
+            if config.lora_rank
+            else WeightSync(urls, data_dir / "weights")
+        )
         loop = TrainingLoop(
             config,
             trainer,
@@ -157,6 +182,7 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
                 load_reward_fn(config.reward),
                 controller,
                 WebEpisodeSink(api),
+                adapter_prefix=run_id if config.lora_rank else None,
             )
             driver_task = asyncio.create_task(driver.run())
 

@@ -90,6 +90,9 @@ class TrainerWorker:
     def save_weights(self, path: str) -> str:
         return self.trainer.save_weights(path)
 
+    def save_adapter(self, path: str) -> str:
+        return self.trainer.save_adapter(path)
+
     def save_checkpoint(self, path: str) -> str:
         return self.trainer.save_checkpoint(path)
 
@@ -173,6 +176,9 @@ class TrainerGroup:
 
     def save_weights(self, path: str) -> str:
         return self._call("save_weights", str(path))
+
+    def save_adapter(self, path: str) -> str:
+        return self._call("save_adapter", str(path))
 
     def save_checkpoint(self, path: str) -> str:
         return self._call("save_checkpoint", str(path))

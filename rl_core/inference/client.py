@@ -34,6 +34,7 @@ import httpx
 import orjson
 
 from rl_core.ids import new_hex
+from rl_core.inference.adapters import adapter_version
 from rl_core.inference.http1 import Http1Pool, HTTPConnectionError
 from rl_core.inference.protocol import (
     GenerateChunk,
@@ -68,6 +69,7 @@ class _Progress:
     max_new_tokens: int
     return_logprob: bool
     top_n: int
+    lora_path: str | None = None  # the LoRA adapter every segment runs under (SGLang's field)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -85,6 +87,7 @@ class _Progress:
         rid: str | None,
         return_logprob: bool,
         top_n: int,
+        lora_path: str | None = None,
     ) -> _Progress:
         params = dict(sampling_params or {})
         max_new = params.get("max_new_tokens")
@@ -95,6 +98,7 @@ class _Progress:
             max_new_tokens=DEFAULT_MAX_NEW_TOKENS if max_new is None else int(max_new),
             return_logprob=return_logprob,
             top_n=top_n,
+            lora_path=lora_path,
         )
 
     @property
@@ -116,6 +120,8 @@ class _Progress:
         }
         if self.top_n:
             body["top_logprobs_num"] = self.top_n
+        if self.lora_path is not None:
+            body["lora_path"] = self.lora_path
         if stream:
             body["stream"] = True
         return body
@@ -209,6 +215,7 @@ class InferenceClient:
         return_logprob: bool = True,
         rid: str | None = None,
         top_logprobs_num: int = 0,
+        lora_path: str | None = None,
     ) -> GenerateResult:
         """Generate from token ids; resume across aborts; return every token with logprob and version.
 
@@ -219,6 +226,10 @@ class InferenceClient:
         ``InferenceError`` on a 4xx/5xx answer (some SGLang versions answer an abort
         that way; then the partial output is lost) and ``InferenceUnavailable`` when
         the server cannot be reached.
+
+        ``lora_path`` names a loaded LoRA adapter to generate with (SGLang's field; kept
+        across resumed segments); tokens generated under an adapter named ``<prefix>-v<N>``
+        (``rl_core.inference.adapters``) are tagged with version ``N``, not the server's.
         """
         progress = _Progress.of(
             input_ids,
@@ -226,6 +237,7 @@ class InferenceClient:
             rid=rid,
             return_logprob=return_logprob,
             top_n=top_logprobs_num,
+            lora_path=lora_path,
         )
         async for _ in self._resumed(progress, stream=False):
             pass
@@ -239,6 +251,7 @@ class InferenceClient:
         return_logprob: bool = True,
         rid: str | None = None,
         top_logprobs_num: int = 0,
+        lora_path: str | None = None,
     ) -> AsyncIterator[GenerateChunk]:
         """Like ``generate`` but yield new tokens as the server streams them (``stream: true``).
 
@@ -252,6 +265,7 @@ class InferenceClient:
             rid=rid,
             return_logprob=return_logprob,
             top_n=top_logprobs_num,
+            lora_path=lora_path,
         )
         # Closing this stream early closes the server's stream (and ends its request) now.
         async with contextlib.aclosing(self._resumed(progress, stream=True)) as chunks:
@@ -268,6 +282,7 @@ class InferenceClient:
         resubmits the prompt plus everything generated so far; each token keeps the
         version of the segment that produced it. The last chunk carries the finish reason.
         """
+        lora_version = adapter_version(progress.lora_path)
         while True:
             seen, finish, text = 0, None, ""
             chunk = GenerateChunk(output_ids=[], output_logprobs=[], versions=[])
@@ -278,6 +293,8 @@ class InferenceClient:
                     ids, logprobs, version, finish, top = parse_segment(
                         data, return_logprob=progress.return_logprob, top_n=progress.top_n
                     )
+                    if lora_version is not None:
+                        version = lora_version
                     chunk = GenerateChunk(
                         output_ids=ids[seen:],
                         output_logprobs=logprobs[seen:],
@@ -376,6 +393,31 @@ class InferenceClient:
         if not data.get("success", False):
             raise InferenceError(
                 f"update_weights_from_disk failed: {data.get('message')}",
+                status=response.status_code,
+                body=data,
+            )
+        return data
+
+    async def load_lora_adapter(
+        self, lora_name: str, lora_path: str, *, pinned: bool = False
+    ) -> dict[str, Any]:
+        """Load the peft adapter at ``lora_path`` (a directory on the server's machine) as
+        ``lora_name``; serving goes on meanwhile. Returns SGLang's ``{"success",
+        "error_message", "loaded_adapters"}``; raises ``InferenceError`` on failure."""
+        body = {"lora_name": lora_name, "lora_path": lora_path, "pinned": pinned}
+        return await self._lora_update("/load_lora_adapter", body)
+
+    async def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
+        """Unload ``lora_name``: new requests naming it are refused at once; the answer comes
+        once the requests running under it have finished (they are not aborted)."""
+        return await self._lora_update("/unload_lora_adapter", {"lora_name": lora_name})
+
+    async def _lora_update(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        response = await self._request("POST", path, json_body=body, timeout=self._control_timeout)
+        data = response.json()
+        if not data.get("success", False):  # SGLang answers failures with 400 (raised above)
+            raise InferenceError(
+                f"{path} failed: {data.get('error_message')}",
                 status=response.status_code,
                 body=data,
             )

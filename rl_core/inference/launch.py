@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from rl_core.config import INFERENCE_BACKENDS
 from rl_core.inference.process import InferenceServer, ServerStartError, free_port
-from rl_core.inference.sglang import SGLangServer
+from rl_core.inference.sglang import SGLangServer, lora_flags
 
 __all__ = [
     "LAUNCHERS",
@@ -55,9 +56,13 @@ class TorchEngineServer(InferenceServer):
         dtype: str = "float32",
         device: str = "cpu",
         context_length: int | None = None,
+        lora_rank: int = 0,
+        lora_target_modules: Sequence[str] = (),
+        max_loras_per_batch: int | None = None,
         **kwargs: Any,
     ):
         super().__init__(model_path, **kwargs)
+        self.lora = lora_flags(lora_rank, lora_target_modules, max_loras_per_batch)
         self.max_running_requests = max_running_requests
         self.num_threads = num_threads
         self.dtype = dtype
@@ -80,7 +85,7 @@ class TorchEngineServer(InferenceServer):
             cmd += ["--num-threads", str(self.num_threads)]
         if self.context_length:
             cmd += ["--context-length", str(self.context_length)]
-        return cmd + self.extra_args
+        return cmd + self.lora + self.extra_args
 
     def environment(self) -> dict[str, str]:
         env = super().environment()

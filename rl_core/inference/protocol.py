@@ -149,7 +149,10 @@ def error_from_answer(status: int, text: str, what: str) -> InferenceError:
     if isinstance(body, dict):
         err = body.get("error")
         message = (
-            body.get("message") or (err.get("message") if isinstance(err, dict) else err) or body
+            body.get("message")
+            or body.get("error_message")  # SGLang's LoRAUpdateOutput
+            or (err.get("message") if isinstance(err, dict) else err)
+            or body
         )
     cls = InferenceUnavailable if status == 503 else InferenceError
     return cls(f"{what} -> {status}: {message}", status=status, body=body)

@@ -4,7 +4,8 @@ Same interface as the torch engine's launcher (``InferenceServer`` in
 ``rl_core.inference.process``); ``rl_core.inference.launch`` picks between them. Flag names are SGLang's ``ServerArgs`` CLI flags
 (``--model-path``, ``--host``, ``--port``, ``--tp-size``, ``--mem-fraction-static``,
 ``--max-running-requests``, ``--context-length``, ``--dtype``, ``--base-gpu-id``,
-``--served-model-name``, ``--random-seed``, ``--weight-version``, ``--log-level``).
+``--served-model-name``, ``--random-seed``, ``--weight-version``, ``--log-level``; for a LoRA
+run ``--enable-lora``, ``--max-lora-rank``, ``--lora-target-modules``, ``--max-loras-per-batch``).
 
 ``output_token_logprobs`` must be log-probs of the distribution actually sampled,
 ``log_softmax(logits / temperature)``: SGLang's default, what the torch engine reports
@@ -17,12 +18,35 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 from rl_core.inference.process import InferenceServer
 
 # Both spellings: older SGLang releases read RETURN_ORIGINAL_LOGPROB.
 LOGPROB_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "false", "RETURN_ORIGINAL_LOGPROB": "false"}
+
+
+def lora_flags(
+    max_lora_rank: int, target_modules: Sequence[str] = (), max_loras_per_batch: int | None = None
+) -> list[str]:
+    """SGLang's multi-LoRA flags (the torch engine takes the same); ``[]`` when rank is 0.
+
+    ``target_modules`` uses peft's names; empty or peft's ``all-linear`` is SGLang's ``all``.
+    """
+    if max_lora_rank <= 0:
+        return []
+    modules = [m for m in target_modules if m != "all-linear"] or ["all"]
+    flags = [
+        "--enable-lora",
+        "--max-lora-rank",
+        str(max_lora_rank),
+        "--lora-target-modules",
+        *modules,
+    ]
+    if max_loras_per_batch is not None:
+        flags += ["--max-loras-per-batch", str(max_loras_per_batch)]
+    return flags
 
 
 class SGLangServer(InferenceServer):
@@ -43,6 +67,9 @@ class SGLangServer(InferenceServer):
         served_model_name: str | None = None,
         random_seed: int | None = None,
         log_level: str | None = None,
+        lora_rank: int = 0,
+        lora_target_modules: Sequence[str] = (),
+        max_loras_per_batch: int | None = None,
         **kwargs: Any,
     ):
         super().__init__(model_path, **kwargs)
@@ -55,6 +82,7 @@ class SGLangServer(InferenceServer):
         self.served_model_name = served_model_name
         self.random_seed = random_seed
         self.log_level = log_level
+        self.lora = lora_flags(lora_rank, lora_target_modules, max_loras_per_batch)
 
     def command(self) -> list[str]:
         cmd = [
@@ -78,7 +106,7 @@ class SGLangServer(InferenceServer):
         for flag, value in optional.items():
             if value is not None:
                 cmd += [flag, str(value)]
-        return cmd + self.extra_args
+        return cmd + self.lora + self.extra_args
 
     def environment(self) -> dict[str, str]:
         return {**super().environment(), **LOGPROB_ENV}

@@ -221,3 +221,18 @@ def test_a_generated_nul_is_returned_and_recorded_as_replacement_character(
     # The echoed answer still matches what was generated: the exact ids are reused.
     assert turn1.prefix_reused
     assert turn1.input_ids[: len(turn0.input_ids) + 4] == turn0.input_ids + [0, 104, 105, IM_END]
+
+
+def test_a_lora_run_generates_under_its_current_versions_adapter(
+    make_gateway, project, api_key, fake_engine
+):
+    gw = make_gateway(project, api_key, servers=[fake_engine.url], lora_rank=8)
+    client = gw.openai()
+    client.chat.completions.create(model=gw.model, messages=HI, max_tokens=2)
+    assert "lora_path" not in fake_engine.requests[-1]  # version 0: the base model
+    Run.objects.filter(pk=gw.run.pk).update(weight_version=3)
+    # Admission allows (max_staleness + version + 1) batches: plenty at version 3.
+    reply = client.chat.completions.create(model=gw.model, messages=HI, max_tokens=2)
+    assert fake_engine.requests[-1]["lora_path"] == f"{gw.run.pk}-v3"
+    # The fake server reports weight version 0; tokens carry the adapter's version.
+    assert reply.system_fingerprint == "steep-v3"

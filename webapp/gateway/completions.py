@@ -20,6 +20,7 @@ from django.conf import settings
 
 from rl_core.chat import ChatTemplateError, ChatTokenizer, load_chat_tokenizer, parse_tool_calls
 from rl_core.ids import new_hex
+from rl_core.inference.adapters import current_adapter
 from webapp.accounts.auth import bearer_token
 from webapp.gateway import turns
 from webapp.gateway.caches import CACHES
@@ -163,6 +164,13 @@ async def _generate_and_record(
         n=chat.n,
         seed=chat.seed,
         top_logprobs=chat.top_logprobs,
+        # A LoRA run serves each policy version as its own adapter (rl_core.adapter_sync).
+        lora_path=current_adapter(
+            str(run.id),
+            run.weight_version,
+            lora_rank=int(run.config.get("lora_rank") or 0),
+            init_checkpoint=run.config.get("init_checkpoint"),
+        ),
     )
     interaction_id = f"chatcmpl-{new_hex()}"
     response, outputs = _completion(

@@ -83,6 +83,7 @@ async def generate(
     n: int,
     seed: int | None,
     top_logprobs: int,
+    lora_path: str | None = None,
 ) -> Generation:
     """Sample ``n`` answers on one server (the session's, else the least loaded); fail over on a dead one."""
     candidates = await _candidates(run_id, sticky)
@@ -105,7 +106,11 @@ async def generate(
                     params["sampling_seed"] = seed + index
                 jobs.append(
                     client.generate(
-                        input_ids, params, rid=_request_id(), top_logprobs_num=top_logprobs
+                        input_ids,
+                        params,
+                        rid=_request_id(),
+                        top_logprobs_num=top_logprobs,
+                        lora_path=lora_path,
                     )
                 )
             results = await asyncio.gather(*jobs)

@@ -3,7 +3,8 @@
     python -m rl_core.inference.torch_engine --model-path PATH --port 30000 \\
         [--host 127.0.0.1] [--max-running-requests 32] [--weight-version 0] \\
         [--num-threads N] [--dtype float32] [--device cpu] [--context-length N] \\
-        [--parent-pid PID]
+        [--parent-pid PID] [--enable-lora [--max-lora-rank R] [--lora-target-modules M ...]
+        [--max-loras-per-batch N]]
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from aiohttp import web
 
 from rl_core.inference.torch_engine.engine import TorchEngine, load_model
+from rl_core.inference.torch_engine.lora import AdapterSet
 from rl_core.inference.torch_engine.server import build_app
 
 logger = logging.getLogger("rl_core.inference.torch_engine")
@@ -65,6 +67,25 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--random-seed", type=int, default=None, help="Seed for requests without sampling_seed."
     )
     parser.add_argument("--log-level", default="info")
+    # SGLang's LoRA flags (rl_core/inference/torch_engine/lora.py).
+    parser.add_argument(
+        "--enable-lora", action="store_true", help="Serve LoRA adapters (/load_lora_adapter)."
+    )
+    parser.add_argument(
+        "--max-lora-rank", type=int, default=None, help="Refuse adapters of a higher rank."
+    )
+    parser.add_argument(
+        "--lora-target-modules",
+        nargs="*",
+        default=None,
+        help="Module names that may carry an adapter (e.g. q_proj v_proj), or 'all' (default).",
+    )
+    parser.add_argument(
+        "--max-loras-per-batch",
+        type=int,
+        default=8,
+        help="Most distinct adapters in one running batch; more wait.",
+    )
     parser.add_argument(
         "--parent-pid",
         type=int,
@@ -105,6 +126,14 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
     server_args = {k: v for k, v in vars(args).items() if k != "log_level"}
     server_args["tokenizer_path"] = args.tokenizer_path or args.model_path
+    adapters = None
+    if args.enable_lora or args.lora_target_modules or args.max_lora_rank:
+        adapters = AdapterSet(
+            model,
+            target_modules=args.lora_target_modules,
+            max_lora_rank=args.max_lora_rank,
+            max_loras_per_batch=args.max_loras_per_batch,
+        )
     engine = TorchEngine(
         model,
         tokenizer,
@@ -114,6 +143,7 @@ def main(argv: list[str] | None = None) -> None:
         context_length=args.context_length,
         served_model_name=args.served_model_name,
         server_args=server_args,
+        adapters=adapters,
     )
     engine.start()
     logger.info(

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from rl_core.inference.torch_engine.kv_cache import PaddedBatchCache, make_cache
+from rl_core.inference.torch_engine.lora import AdapterSet
 from rl_core.inference.torch_engine.protocol import BadRequest, GenerateRequest, generate_response
 from rl_core.sampling import SAMPLING_EPS, logprob_temperature
 
@@ -63,6 +64,7 @@ class TorchEngine:
         context_length: int | None = None,
         served_model_name: str | None = None,
         server_args: dict[str, Any] | None = None,
+        adapters: AdapterSet | None = None,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -75,6 +77,7 @@ class TorchEngine:
         self.context_length = int(context_length or max_positions)
         self.eos_ids = _eos_ids(model, tokenizer)
         self.server_args = dict(server_args or {})
+        self.adapters = adapters  # LoRA adapters (--enable-lora), applied per row: lora.py
         self.device = next(model.parameters()).device
         layer_types = getattr(model.config, "layer_types", None) or []
         if any(t != "full_attention" for t in layer_types):
@@ -133,6 +136,10 @@ class TorchEngine:
                 raise EngineStopped("the engine is shutting down")
             if req.rid in self._in_flight:
                 raise BadRequest(f"A request with rid {req.rid!r} is already in flight.")
+            if req.lora_path is not None:
+                if self.adapters is None:
+                    raise BadRequest("lora_path needs a server started with --enable-lora.")
+                req.adapter = self.adapters.acquire(req.lora_path)  # released by _finish
             self._in_flight[req.rid] = req
             self._waiting.append(req)
             self._cond.notify_all()
@@ -235,6 +242,8 @@ class TorchEngine:
         assert not self._running, "weights must not change under a running request"
         self.model = model
         self.model_path = model_path
+        if self.adapters is not None:
+            self.adapters.attach(model)
         if weight_version is not None:
             self.weight_version = str(weight_version)
         self.stats["num_weight_updates"] += 1
@@ -291,10 +300,14 @@ class TorchEngine:
         admitted: list[GenerateRequest] = []
         with self._cond:
             if not self._paused and not self._idle_commands:
-                while (
-                    self._waiting and len(self._running) + len(admitted) < self.max_running_requests
-                ):
-                    admitted.append(self._waiting.popleft())
+                in_batch = [r.adapter for r in self._running]
+                for req in list(self._waiting):
+                    if len(self._running) + len(admitted) >= self.max_running_requests:
+                        break
+                    if self.adapters is None or self.adapters.fits(in_batch, req.adapter):
+                        self._waiting.remove(req)  # else it waits: --max-loras-per-batch
+                        admitted.append(req)
+                        in_batch.append(req.adapter)
         for req in admitted:
             try:
                 self._prefill(req)
@@ -316,6 +329,8 @@ class TorchEngine:
             self._finish(req, {"type": "length", "length": 0})
             return
         ids = torch.tensor([req.input_ids], device=self.device)  # [1, L]
+        if self.adapters is not None:
+            self.adapters.select([req.adapter])
         out = self.model(
             input_ids=ids,
             position_ids=torch.arange(ids.shape[1], device=self.device)[None],
@@ -349,6 +364,8 @@ class TorchEngine:
         """One batched decode step: feed every running request its last sampled token."""
         batch = len(self._running)
         last = torch.tensor([[r.output_ids[-1]] for r in self._running], device=self.device)
+        if self.adapters is not None:
+            self.adapters.select([r.adapter for r in self._running])
         logits = self._cache.decode(self.model, last)  # [B, V]
         self.stats["num_decode_steps"] += 1
         self.stats["max_batch_size_seen"] = max(self.stats["max_batch_size_seen"], batch)
@@ -421,6 +438,8 @@ class TorchEngine:
         req.finish = reason
         with self._cond:
             self._in_flight.pop(req.rid, None)
+        if req.adapter is not None:
+            self.adapters.release(req.adapter)  # type: ignore[union-attr]
         self.stats["num_finished_reqs"] += 1
         if reason["type"] == "abort":
             self.stats["num_aborted_reqs"] += 1

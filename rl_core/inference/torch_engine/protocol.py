@@ -159,6 +159,7 @@ class GenerateRequest:
         top_logprobs_num: int,
         return_text_in_logprobs: bool,
         stream: bool,
+        lora_path: str | None = None,
     ):
         self.rid = rid
         self.input_ids = input_ids
@@ -168,6 +169,8 @@ class GenerateRequest:
         self.top_logprobs_num = top_logprobs_num
         self.return_text_in_logprobs = return_text_in_logprobs
         self.stream = stream
+        self.lora_path = lora_path  # the adapter's name (SGLang's field name); None: the base model
+        self.adapter: Any = None  # the engine's loaded Adapter while the request holds it
         self.created = time.monotonic()
         self.output_ids: list[int] = []
         self.output_logprobs: list[float] = []
@@ -216,6 +219,11 @@ def parse_generate_request(body: Any, *, tokenizer: Any, vocab_size: int) -> Gen
         if logprob_start_len is None
         else as_int("logprob_start_len", logprob_start_len, minimum=-1)
     )
+    lora_path = body.get("lora_path")
+    if isinstance(lora_path, list) and len(lora_path) == 1:
+        lora_path = lora_path[0]
+    if lora_path is not None and (not isinstance(lora_path, str) or not lora_path):
+        raise BadRequest("lora_path must be the name of a loaded LoRA adapter (a string).")
     top_n = body.get("top_logprobs_num")
     top_n = 0 if top_n is None else as_int("top_logprobs_num", top_n, minimum=0)
     if top_n > vocab_size:
@@ -231,6 +239,7 @@ def parse_generate_request(body: Any, *, tokenizer: Any, vocab_size: int) -> Gen
             "return_text_in_logprobs", body.get("return_text_in_logprobs") or False
         ),
         stream=as_bool("stream", body.get("stream") or False),
+        lora_path=lora_path,
     )
 
 
@@ -331,3 +340,25 @@ def parse_slow_down_request(body: Any) -> float | None:
     """``/slow_down``: seconds to sleep after each forward step, or None to stop."""
     value = body.get("forward_sleep_time") if isinstance(body, dict) else None
     return None if value is None else max(0.0, as_float("forward_sleep_time", value))
+
+
+# --------------------------------------------------------------------------- LoRA adapters
+
+
+def parse_load_lora_request(body: Any) -> tuple[str, str]:
+    """``/load_lora_adapter``: ``(lora_name, lora_path)``; ``pinned`` is accepted (nothing is evicted)."""
+    if not isinstance(body, dict):
+        raise BadRequest("The request body must be a JSON object.")
+    name, path = body.get("lora_name"), body.get("lora_path")
+    if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+        raise BadRequest("load_lora_adapter needs lora_name and lora_path (non-empty strings).")
+    as_bool("pinned", body.get("pinned", False))
+    return name, path
+
+
+def parse_unload_lora_request(body: Any) -> str:
+    """``/unload_lora_adapter``: the ``lora_name``."""
+    name = body.get("lora_name") if isinstance(body, dict) else None
+    if not isinstance(name, str) or not name:
+        raise BadRequest("unload_lora_adapter needs lora_name (a non-empty string).")
+    return name

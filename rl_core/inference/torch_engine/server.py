@@ -23,7 +23,9 @@ from rl_core.inference.torch_engine.protocol import (
     check_pause_request,
     parse_abort_request,
     parse_generate_request,
+    parse_load_lora_request,
     parse_slow_down_request,
+    parse_unload_lora_request,
     parse_update_weights_request,
 )
 
@@ -216,6 +218,46 @@ async def flush_cache(request: web.Request) -> web.Response:
     return web.Response(status=200, text="Cache flushed.\n")
 
 
+# --------------------------------------------------------------------------- LoRA adapters
+
+
+def _lora_answer(engine: TorchEngine, error: str | None) -> web.Response:
+    # SGLang's LoRAUpdateOutput: 200 on success, 400 with success false otherwise.
+    body = {
+        "success": error is None,
+        "error_message": error or "",
+        "loaded_adapters": engine.adapters.loaded() if engine.adapters is not None else {},
+    }
+    return web.json_response(body, status=200 if error is None else 400)
+
+
+async def load_lora_adapter(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    name, path = parse_load_lora_request(await _json_body(request))
+    if engine.adapters is None:
+        return _lora_answer(engine, "LoRA is not enabled: start the server with --enable-lora.")
+    try:  # reading the weights runs beside the scheduler: serving never pauses
+        await asyncio.to_thread(engine.adapters.load, name, path)
+    except (ValueError, OSError) as exc:
+        return _lora_answer(engine, f"Failed to load LoRA adapter {name!r}: {exc}")
+    return _lora_answer(engine, None)
+
+
+async def unload_lora_adapter(request: web.Request) -> web.Response:
+    """Refuse new requests under the name at once; answer once its running requests finished."""
+    engine = request.app[ENGINE]
+    name = parse_unload_lora_request(await _json_body(request))
+    if engine.adapters is None:
+        return _lora_answer(engine, "LoRA is not enabled: start the server with --enable-lora.")
+    try:
+        adapter = engine.adapters.unregister(name)
+    except ValueError as exc:
+        return _lora_answer(engine, str(exc))
+    while not adapter.idle.is_set():  # its requests finish (or are aborted) on their own
+        await asyncio.to_thread(adapter.idle.wait, 1.0)
+    return _lora_answer(engine, None)
+
+
 # --------------------------------------------------------------------------- information
 
 
@@ -274,6 +316,8 @@ ROUTES = [
     web.post("/abort_request", abort_request),
     web.post("/update_weights_from_disk", update_weights_from_disk),
     web.post("/slow_down", slow_down),
+    web.post("/load_lora_adapter", load_lora_adapter),
+    web.post("/unload_lora_adapter", unload_lora_adapter),
     web.get("/flush_cache", flush_cache),
     web.post("/flush_cache", flush_cache),
     web.get("/get_model_info", get_model_info),

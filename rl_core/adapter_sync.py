@@ -1,0 +1,144 @@
+"""Publish a LoRA run's policy to its inference servers as a new adapter, with no pause.
+
+``WeightSync`` (full weights) saves the merged model and has every server reload it,
+pausing inference. A LoRA run changes only its adapter, and both backends serve adapters
+natively (SGLang's ``/load_lora_adapter``; the torch engine's ``lora.py``), so
+``AdapterSync.push`` instead:
+
+1. saves the adapter alone (``trainer.save_adapter``; a few MB) to ``adapters_dir/v<N>``;
+2. loads it on every server under a new name ``<prefix>-v<N>``
+   (``rl_core.inference.adapters``) while they keep serving: nothing is paused or aborted;
+3. from then on new requests name it (``lora_path``): the gateway and the rollout driver
+   derive the name from the run's current version, and the client tags their tokens
+   with ``N``;
+4. retires old names: the adapter ``keep`` versions back is unloaded in the background.
+   An unload refuses new requests under the name at once and completes when the
+   requests still running under it have finished (SGLang's registry semantics; the
+   torch engine does the same). ``keep = 2`` leaves the previous version loaded for one
+   more step, so a request that read the version just before the switch still finds
+   its adapter.
+
+Requests under other adapters, or under the base model, are never touched. Same
+interface as ``WeightSync`` (``push``, ``last_timing``, ``aclose``): ``TrainingLoop``
+takes either. ``adapters_dir`` must be readable by the servers at the same path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rl_core.inference.adapters import adapter_name
+from rl_core.inference.client import InferenceClient
+
+logger = logging.getLogger(__name__)
+
+
+class AdapterSync:
+    """Load each new policy version on every server as adapter ``<prefix>-v<N>``; retire old ones."""
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        adapters_dir: str | Path,
+        prefix: str,
+        *,
+        keep: int = 2,
+    ):
+        if keep < 1:
+            raise ValueError("AdapterSync keeps at least the newest adapter loaded (keep >= 1)")
+        self.urls = list(urls)
+        self.adapters_dir = Path(adapters_dir)
+        self.prefix = prefix
+        self.keep = keep
+        self.current: str | None = None  # the newest adapter's name
+        self.loaded: list[tuple[int, str]] = []  # (version, name), oldest first, not yet retired
+        self.last_timing: dict[str, float] = {}
+        self._clients: list[InferenceClient] | None = None
+        self._retiring: set[asyncio.Task[None]] = set()
+
+    def _get_clients(self) -> list[InferenceClient]:
+        if self._clients is None:
+            self._clients = [InferenceClient(url) for url in self.urls]
+        return self._clients
+
+    async def push(self, trainer: Any) -> int:
+        """Publish ``trainer``'s adapter as version ``trainer.version``; return the version."""
+        version = int(trainer.version)
+        name = adapter_name(self.prefix, version)
+        started = time.perf_counter()
+        self.adapters_dir.mkdir(parents=True, exist_ok=True)
+        path = await asyncio.to_thread(trainer.save_adapter, str(self.adapters_dir / f"v{version}"))
+        saved = time.perf_counter()
+        clients = self._get_clients()
+        if any(n == name for _, n in self.loaded):  # pushed again (a resume): replace it
+            await self._unload(name, clients)
+            self.loaded = [(v, n) for v, n in self.loaded if n != name]
+        results = await asyncio.gather(
+            *(c.load_lora_adapter(name, path) for c in clients), return_exceptions=True
+        )
+        failed = [
+            (url, r)
+            for url, r in zip(self.urls, results, strict=True)
+            if isinstance(r, BaseException)
+        ]
+        if failed:
+            # Leave no server with a name the others lack.
+            await asyncio.gather(
+                *(
+                    c.unload_lora_adapter(name)
+                    for c, r in zip(clients, results, strict=True)
+                    if not isinstance(r, BaseException)
+                ),
+                return_exceptions=True,
+            )
+            url, error = failed[0]
+            raise RuntimeError(f"load_lora_adapter {name} failed on {url}: {error!r}") from error
+        loaded = time.perf_counter()
+        self.current = name
+        self.loaded.append((version, name))
+        while len(self.loaded) > self.keep:
+            _, old = self.loaded.pop(0)
+            task = asyncio.create_task(self._unload(old, clients))
+            self._retiring.add(task)
+            task.add_done_callback(self._retiring.discard)
+        self.last_timing = {
+            "timing/save_weights": saved - started,
+            "timing/update_weights": loaded - saved,
+            "timing/weight_sync": loaded - started,
+        }
+        self._prune()
+        return version
+
+    async def _unload(self, name: str, clients: list[InferenceClient]) -> None:
+        results = await asyncio.gather(
+            *(c.unload_lora_adapter(name) for c in clients), return_exceptions=True
+        )
+        for url, result in zip(self.urls, results, strict=True):
+            if isinstance(result, BaseException):
+                logger.warning("unload_lora_adapter %s on %s failed: %r", name, url, result)
+
+    async def drain(self) -> None:
+        """Wait until every retired adapter is unloaded (its requests finished)."""
+        while self._retiring:
+            await asyncio.gather(*list(self._retiring), return_exceptions=True)
+
+    def _prune(self) -> None:
+        # Keep the directories of the adapters still loaded (a server may reload from them).
+        live = {f"v{v}" for v, _ in self.loaded}
+        for old in self.adapters_dir.glob("v[0-9]*"):
+            if old.is_dir() and old.name[1:].isdigit() and old.name not in live:
+                shutil.rmtree(old, ignore_errors=True)
+
+    async def aclose(self) -> None:
+        for task in list(self._retiring):
+            task.cancel()
+        await asyncio.gather(*list(self._retiring), return_exceptions=True)
+        if self._clients is not None:
+            await asyncio.gather(*(c.aclose() for c in self._clients))
+            self._clients = None

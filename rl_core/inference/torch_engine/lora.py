@@ -1,0 +1,255 @@
+"""LoRA adapters in the torch engine: SGLang's multi-LoRA serving on one shared base model.
+
+An adapter is a peft directory (``adapter_config.json`` + ``adapter_model.safetensors``)
+loaded into memory under a name (``/load_lora_adapter``); a ``/generate`` request names
+the adapter it runs under (``lora_path``) or none (the base model). The base weights are
+never merged: every target ``nn.Linear`` of the served model carries a forward hook that
+adds ``scale · B(A(x))`` of each batch row's own adapter to the base output, one small
+matmul pair per adapter present in the batch (rows grouped by adapter). So requests under
+different adapters and the base model share one running batch and one KV cache.
+
+Unloading follows SGLang's registry: the name disappears at once (new requests naming it
+are refused with 400), and the answer comes once the requests still running under it
+have finished; they are never aborted.
+
+Names and values of the launch flags are SGLang's: ``--enable-lora``, ``--max-lora-rank``,
+``--lora-target-modules`` (module names, or ``all``), ``--max-loras-per-batch`` (the most
+distinct adapters in one running batch; the base model is not counted; requests beyond
+wait in the queue).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rl_core.inference.torch_engine.protocol import BadRequest
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ALL_MODULES = "all"
+_PEFT_PREFIX = "base_model.model."
+
+
+class AdapterLoadError(ValueError):
+    """The adapter directory cannot be served (missing files, rank too high, wrong modules)."""
+
+
+@dataclass(eq=False)
+class Adapter:
+    """One loaded adapter: per target module ``(A [r, in], B [out, r])`` and the scale."""
+
+    name: str
+    path: str
+    rank: int
+    scale: float
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    users: int = 0  # requests admitted under it and not finished; guarded by AdapterSet._lock
+    idle: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self) -> None:
+        self.idle.set()
+
+
+def read_adapter(
+    path: str, *, dtype: torch.dtype, device: torch.device, max_rank: int | None
+) -> tuple[int, float, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """``(rank, scale, {module name: (A, B)})`` of the peft adapter at ``path``."""
+    from safetensors.torch import load_file
+
+    directory = Path(path)
+    if not (directory / ADAPTER_CONFIG).is_file() or not (directory / ADAPTER_WEIGHTS).is_file():
+        raise AdapterLoadError(
+            f"{path} holds no peft LoRA adapter ({ADAPTER_CONFIG} + {ADAPTER_WEIGHTS})"
+        )
+    config = json.loads((directory / ADAPTER_CONFIG).read_text())
+    if config.get("peft_type", "LORA") != "LORA":
+        raise AdapterLoadError(f"{path} is a {config.get('peft_type')} adapter, not LoRA")
+    for key in (
+        "use_dora",
+        "rank_pattern",
+        "alpha_pattern",
+        "modules_to_save",
+        "layers_to_transform",
+    ):
+        if config.get(key):
+            raise AdapterLoadError(f"{path}: {key} is not supported by the torch engine")
+    if config.get("bias", "none") != "none":
+        raise AdapterLoadError(f"{path}: LoRA biases are not supported by the torch engine")
+    rank, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
+    if max_rank is not None and rank > max_rank:
+        raise AdapterLoadError(f"{path}: LoRA rank {rank} is above --max-lora-rank {max_rank}")
+    scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    tensors = load_file(str(directory / ADAPTER_WEIGHTS))
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        for part in ("lora_A", "lora_B"):
+            marker = f".{part}."
+            if marker in key:
+                module = key.split(marker)[0].removeprefix(_PEFT_PREFIX)
+                pairs.setdefault(module, {})[part] = value.to(device=device, dtype=dtype)
+    weights = {}
+    for module, pair in pairs.items():
+        if set(pair) != {"lora_A", "lora_B"}:
+            raise AdapterLoadError(f"{path}: {module} lacks lora_A or lora_B")
+        a, b = pair["lora_A"], pair["lora_B"]
+        if config.get("fan_in_fan_out"):  # Conv1D-style storage: transpose to nn.Linear's
+            a, b = b.T.contiguous(), a.T.contiguous()
+        weights[module] = (a, b)
+    if not weights:
+        raise AdapterLoadError(f"{path} holds no LoRA weights")
+    return rank, scale, weights
+
+
+class AdapterSet:
+    """The adapters loaded into one engine, and the hooks that apply them per batch row.
+
+    ``acquire``/``release``/``load``/``unregister`` may run on any thread (a lock guards
+    the registry and the use counts); ``select`` and the hooks run on the scheduler thread.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        target_modules: list[str] | None = None,
+        max_lora_rank: int | None = None,
+        max_loras_per_batch: int = 8,
+    ):
+        self.target_modules = list(target_modules or [ALL_MODULES])
+        self.max_lora_rank = max_lora_rank
+        self.max_loras_per_batch = max_loras_per_batch
+        self._lock = threading.Lock()
+        self._adapters: dict[str, Adapter] = {}  # guarded by _lock
+        # The running forward's rows grouped by adapter (scheduler thread only).
+        self._groups: list[tuple[Adapter, torch.Tensor | None]] = []
+        self._handles: list[Any] = []
+        self.hooked: set[str] = set()
+        self.attach(model)
+
+    # ----- the model
+
+    def attach(self, model: Any) -> None:
+        """Hook the target modules of ``model`` (again after a full weight update)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles, self.hooked = [], set()
+        self.dtype = model.dtype
+        self.device = next(model.parameters()).device
+        head = model.get_output_embeddings()
+        for name, module in model.named_modules():
+            if not isinstance(module, torch.nn.Linear) or module is head:
+                continue
+            leaf = name.rsplit(".", 1)[-1]
+            if ALL_MODULES in self.target_modules or leaf in self.target_modules:
+                self._handles.append(module.register_forward_hook(self._hook(name)))
+                self.hooked.add(name)
+        if not self.hooked:
+            raise ValueError(
+                f"--lora-target-modules {self.target_modules} names no linear layer of this model"
+            )
+
+    def _hook(self, name: str) -> Any:
+        def add_delta(module: Any, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> Any:
+            if not self._groups:
+                return None
+            x = inputs[0]
+            for adapter, rows in self._groups:
+                pair = adapter.weights.get(name)
+                if pair is None:
+                    continue
+                a, b = pair
+                if rows is None:  # the whole batch runs under this adapter
+                    output = output + adapter.scale * ((x @ a.T) @ b.T)
+                else:
+                    delta = adapter.scale * ((x.index_select(0, rows) @ a.T) @ b.T)
+                    output = output.index_add(0, rows, delta)
+            return output
+
+        return add_delta
+
+    def select(self, adapters: list[Adapter | None]) -> None:
+        """Set which adapter each row of the next forward pass runs under (None: the base)."""
+        present = {id(a): a for a in adapters if a is not None}
+        if not present:
+            self._groups = []
+        elif len(present) == 1 and None not in adapters:
+            self._groups = [(next(iter(present.values())), None)]
+        else:
+            self._groups = [
+                (
+                    adapter,
+                    torch.tensor(
+                        [i for i, a in enumerate(adapters) if a is adapter], device=self.device
+                    ),
+                )
+                for adapter in present.values()
+            ]
+
+    def fits(self, running: list[Adapter | None], candidate: Adapter | None) -> bool:
+        """Whether ``candidate`` may join a batch running ``running`` (``--max-loras-per-batch``)."""
+        if candidate is None:
+            return True
+        distinct = {id(a) for a in running if a is not None}
+        return id(candidate) in distinct or len(distinct) < self.max_loras_per_batch
+
+    # ----- the registry
+
+    def load(self, name: str, path: str) -> None:
+        """Read the adapter at ``path`` and serve it as ``name``; raises ``AdapterLoadError``."""
+        with self._lock:
+            if name in self._adapters:
+                raise AdapterLoadError(f"A LoRA adapter named {name!r} is already loaded.")
+        rank, scale, weights = read_adapter(
+            path, dtype=self.dtype, device=self.device, max_rank=self.max_lora_rank
+        )
+        unknown = sorted(set(weights) - self.hooked)
+        if unknown:
+            raise AdapterLoadError(
+                f"{path} adapts modules outside --lora-target-modules {self.target_modules} "
+                f"or absent from the model: {unknown[:3]}"
+            )
+        adapter = Adapter(name=name, path=str(path), rank=rank, scale=scale, weights=weights)
+        with self._lock:
+            if name in self._adapters:
+                raise AdapterLoadError(f"A LoRA adapter named {name!r} is already loaded.")
+            self._adapters[name] = adapter
+
+    def unregister(self, name: str) -> Adapter:
+        """Stop admitting requests under ``name``; wait on the result's ``idle`` to free it."""
+        with self._lock:
+            adapter = self._adapters.pop(name, None)
+            if adapter is None:
+                raise AdapterLoadError(
+                    f"LoRA adapter {name!r} is not loaded. Loaded adapters: {sorted(self._adapters)}."
+                )
+            return adapter
+
+    def loaded(self) -> dict[str, str]:
+        with self._lock:
+            return {name: a.path for name, a in self._adapters.items()}
+
+    def acquire(self, name: str) -> Adapter:
+        """The adapter ``name``, counted as used until ``release``; unknown → ``BadRequest``."""
+        with self._lock:
+            adapter = self._adapters.get(name)
+            if adapter is None:
+                raise BadRequest(
+                    f"The following requested LoRA adapters are not loaded: {name}. "
+                    f"Loaded adapters: {sorted(self._adapters)}."
+                )
+            adapter.users += 1
+            adapter.idle.clear()
+            return adapter
+
+    def release(self, adapter: Adapter) -> None:
+        with self._lock:
+            adapter.users -= 1
+            if adapter.users == 0:
+                adapter.idle.set()
