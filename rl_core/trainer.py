@@ -53,6 +53,7 @@ from rl_core.memory import PeakMemory, enable_activation_checkpointing, resolve_
 from rl_core.metrics import PhaseTimer, StatsAccumulator
 from rl_core.packing import PackedBatch, pack, packed_logprobs
 from rl_core.types import Trajectory
+from rl_core.weight_sender import WeightSender, weight_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +147,7 @@ class PPOTrainer:
         # top-p/top-k; see rl_core.inference), so behaviour, proximal and current
         # logprobs are all the same quantity.
         self.temperature = 1.0
+        self._sender = WeightSender()  # distributed weight updates (rl_core.weight_sync)
 
     # ------------------------------------------------------------------ training
 
@@ -359,6 +361,20 @@ class PPOTrainer:
             return self._save(Path(path), state, self.save_dtype, extra=None)
         state = {k: v.detach().to(self.save_dtype) for k, v in self._model_state().items()}
         return self._save(Path(path), state, self.save_dtype, extra=None)
+
+    # Distributed weight updates (rl_core.weight_sender): every rank calls each of them.
+
+    def weight_metadata(self) -> dict[str, list]:
+        return weight_metadata(self)
+
+    def init_weight_group(self, **kwargs: Any) -> None:
+        self._sender.init_group(self, **kwargs)
+
+    def broadcast_weights(self, group_name: str) -> dict[str, Any]:
+        return self._sender.broadcast(self, group_name)
+
+    def destroy_weight_group(self, group_name: str) -> None:
+        self._sender.destroy(group_name)
 
     def save_checkpoint(self, path: str | os.PathLike) -> str:
         """Everything needed to resume exactly: float32 weights (a LoRA run's: the adapter

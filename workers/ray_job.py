@@ -125,7 +125,7 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
         )
         reporter = WebReporter(api)
         source = WebSource(api)
-        weight_sync = WeightSync(urls, data_dir / "weights")
+        weight_sync = WeightSync(urls, data_dir / "weights", strategy=config.weight_sync)
         loop = TrainingLoop(
             config,
             trainer,

@@ -11,8 +11,9 @@ generated so far; ``generate`` then resubmits the prompt with those tokens
 appended and the remaining ``max_new_tokens`` budget. The server holds the new
 request until ``/continue_generation`` (SGLang waits on its pause condition; the
 torch engine queues it), so no polling is needed. Every token keeps the weight
-version the server reported for the segment that produced it
-(``meta_info.weight_version``), which is what staleness control is measured by.
+version that produced it: ``meta_info.weight_versions`` (per-token spans, when a
+weight update landed while the request kept running) or else the segment's
+``meta_info.weight_version``; staleness control is measured by these.
 
 The answers' shapes and the errors live in ``rl_core.inference.protocol``; field
 names were checked against SGLang's ``python/sglang/srt/entrypoints/http_server.py``
@@ -275,13 +276,13 @@ class InferenceClient:
             async with contextlib.aclosing(events):
                 async for data in events:
                     # Each answer carries the whole segment so far; the chunk is what is new.
-                    ids, logprobs, version, finish, top = parse_segment(
+                    ids, logprobs, versions, finish, top = parse_segment(
                         data, return_logprob=progress.return_logprob, top_n=progress.top_n
                     )
                     chunk = GenerateChunk(
                         output_ids=ids[seen:],
                         output_logprobs=logprobs[seen:],
-                        versions=[version] * (len(ids) - seen),
+                        versions=versions[seen:],
                         top_logprobs=top[seen:] if progress.top_n else None,
                     )
                     seen, text = len(ids), data.get("text") or ""
@@ -357,6 +358,8 @@ class InferenceClient:
         weight_version: int | str | None = None,
         abort_all_requests: bool = False,
         load_format: str | None = None,
+        flush_cache: bool | None = None,
+        timeout: float | None = None,
     ) -> dict[str, Any]:
         """Load new weights from ``model_path`` (a directory on the server's machine).
 
@@ -369,17 +372,89 @@ class InferenceClient:
             body["weight_version"] = str(weight_version)
         if load_format is not None:
             body["load_format"] = load_format
-        response = await self._request(
-            "POST", "/update_weights_from_disk", json_body=body, timeout=self._control_timeout
-        )
+        if flush_cache is not None:
+            body["flush_cache"] = flush_cache
+        return await self._weights_call("/update_weights_from_disk", body, timeout)
+
+    async def _weights_call(
+        self, path: str, body: dict[str, Any], timeout: float | None
+    ) -> dict[str, Any]:
+        """POST a weight-update call; its ``{"success", "message", ...}``; InferenceError unless success."""
+        limit = self._control_timeout if timeout is None else httpx.Timeout(timeout)
+        response = await self._request("POST", path, json_body=body, timeout=limit)
         data = response.json()
         if not data.get("success", False):
             raise InferenceError(
-                f"update_weights_from_disk failed: {data.get('message')}",
+                f"{path.lstrip('/')} failed: {data.get('message')}",
                 status=response.status_code,
                 body=data,
             )
         return data
+
+    # SGLang's distributed weight update (io_struct.py InitWeightsUpdateGroupReqInput,
+    # UpdateWeightsFromDistributedReqInput, DestroyWeightsUpdateGroupReqInput): the
+    # trainer is rank 0 of a group at master_address:master_port and broadcasts each
+    # tensor, in the order of ``names``, while update_weights_from_distributed is pending.
+
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        *,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+        timeout_s: float | None = None,
+    ) -> dict[str, Any]:
+        """Join the trainer's weight-update group as rank ``rank_offset`` (+ its TP rank).
+
+        ``timeout_s`` (torch engine only, not SGLang's protocol): the group's operation timeout.
+        """
+        body: dict[str, Any] = {
+            "master_address": master_address,
+            "master_port": int(master_port),
+            "rank_offset": int(rank_offset),
+            "world_size": int(world_size),
+            "group_name": group_name,
+            "backend": backend,
+        }
+        if timeout_s is not None:
+            body["timeout_s"] = timeout_s
+        return await self._weights_call("/init_weights_update_group", body, None)
+
+    async def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        *,
+        group_name: str = "weight_update_group",
+        weight_version: int | str | None = None,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+        timeout: float | None = None,
+    ) -> dict[str, Any]:
+        """Receive ``names`` (dtype names like ``"bfloat16"``) by broadcast from rank 0."""
+        body: dict[str, Any] = {
+            "names": list(names),
+            "dtypes": list(dtypes),
+            "shapes": [list(s) for s in shapes],
+            "group_name": group_name,
+            "flush_cache": flush_cache,
+            "abort_all_requests": abort_all_requests,
+        }
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        return await self._weights_call("/update_weights_from_distributed", body, timeout)
+
+    async def destroy_weights_update_group(
+        self, group_name: str = "weight_update_group"
+    ) -> dict[str, Any]:
+        """Leave the weight-update group ``group_name``."""
+        return await self._weights_call(
+            "/destroy_weights_update_group", {"group_name": group_name}, None
+        )
 
     async def abort_request(self, rid: str | None = None, *, abort_all: bool = False) -> None:
         """Abort one request by rid (or all): it returns with finish_reason abort."""
