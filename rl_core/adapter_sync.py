@@ -59,6 +59,7 @@ class AdapterSync:
         self.current: str | None = None  # the newest adapter's name
         self.loaded: list[tuple[int, str]] = []  # (version, name), oldest first, not yet retired
         self.last_timing: dict[str, float] = {}
+        self.reporter: Any = None  # as WeightSync's; an adapter load has no fallback to report
         self._clients: list[InferenceClient] | None = None
         self._retiring: set[asyncio.Task[None]] = set()
 

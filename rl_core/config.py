@@ -24,6 +24,7 @@ LOSS_AGGREGATIONS = ("token_mean", "seq_mean")
 KL_ESTIMATORS = ("k1", "k3")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 PRECISIONS = ("auto", "fp32", "bf16")
+WEIGHT_SYNC_STRATEGIES = ("distributed", "disk")
 # What lora_target_modules = [] means: peft's shorthand for every linear layer of the
 # attention and MLP blocks (the output head excluded).
 LORA_ALL_LINEAR = "all-linear"
@@ -99,6 +100,11 @@ class RunConfig:
         choices=INFERENCE_BACKENDS,
     )
     num_inference_servers: int = _f(1, "Inference server replicas the run starts.", min=1)
+    weight_sync: str = _f(
+        "distributed",
+        "How new weights reach the inference servers after each step: distributed broadcasts them from the trainer (SGLang's update_weights_from_distributed); disk saves them and each server loads them. A server the broadcast fails for (STEEP_WEIGHT_SYNC_TIMEOUT_S, default 120 s) moves to disk for the rest of the run.",
+        choices=WEIGHT_SYNC_STRATEGIES,
+    )
     # Optimisation
     learning_rate: float = _f(1e-5, "AdamW learning rate.", min=0.0, min_exclusive=True)
     lr_schedule: str = _f("constant", "Learning-rate schedule after warm-up.", choices=LR_SCHEDULES)

@@ -6,7 +6,8 @@ One step of ``TrainingLoop.run`` (each phase timed as ``timing/<phase>``)::
     filter_stale → drop trajectories older than max_staleness; controller.on_dropped
     train_step   → trainer.train_step(batch) in a thread, so the event loop (and
                    with it generation) keeps going
-    weight_sync  → save weights, pause servers, update_weights_from_disk, continue
+    weight_sync  → publish the weights to the servers (``rl_core.weight_sync``: a
+                   broadcast or a load from disk, swapped in between decode steps)
     report       → controller.on_version, reporter.version / .metrics, source.finished
     checkpoint   → every ``save_every`` steps and at the end (``rl_core.checkpoints``)
 
@@ -29,7 +30,6 @@ import asyncio
 import collections
 import contextlib
 import logging
-import shutil
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -37,11 +37,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from rl_core.adapter_sync import AdapterSync
 from rl_core.checkpoints import CheckpointInfo, latest_checkpoint, write_checkpoint
 from rl_core.config import RunConfig
-from rl_core.inference.client import InferenceClient
 from rl_core.staleness import StalenessController, is_fresh
 from rl_core.types import Trajectory
+from rl_core.weight_sync import WeightSync  # re-exported: it lived here
 
 logger = logging.getLogger(__name__)
 
@@ -181,85 +182,6 @@ class QueueSource:
         self.dropped += len(dropped)
 
 
-# --------------------------------------------------------------------------- weight sync
-
-
-def _weights_name(version: int) -> str:
-    return f"v{version:06d}"
-
-
-class WeightSync:
-    """Publish a trainer's weights to every inference server (SGLang's update-from-disk protocol).
-
-    ``push``: save the weights to ``weights_dir/v<version>`` → pause every server
-    (in-flight requests return as aborted; the client resubmits them and they wait)
-    → ``update_weights_from_disk`` tagged with the version → continue. Tokens
-    generated after the push carry the new version. Only the last ``keep`` weight
-    directories stay on disk. ``weights_dir`` must be readable by the servers at
-    the same path (same machine or a shared filesystem).
-    """
-
-    def __init__(self, urls: Sequence[str], weights_dir: str | Path, *, keep: int = 2):
-        if keep < 1:
-            raise ValueError("WeightSync keeps at least the newest weights (keep >= 1)")
-        self.urls = list(urls)
-        self.weights_dir = Path(weights_dir)
-        self.keep = keep
-        self.last_timing: dict[str, float] = {}
-        self._clients: list[InferenceClient] | None = None
-
-    def _get_clients(self) -> list[InferenceClient]:
-        if self._clients is None:
-            self._clients = [InferenceClient(url) for url in self.urls]
-        return self._clients
-
-    async def push(self, trainer: Trainer) -> int:
-        """Publish ``trainer``'s current weights as version ``trainer.version``; return the version."""
-        version = int(trainer.version)
-        target = self.weights_dir / _weights_name(version)
-        self.weights_dir.mkdir(parents=True, exist_ok=True)
-        started = time.perf_counter()
-        path = await asyncio.to_thread(trainer.save_weights, str(target))
-        saved = time.perf_counter()
-        clients = self._get_clients()
-        paused = saved
-        try:
-            await asyncio.gather(*(c.pause_generation() for c in clients))
-            paused = time.perf_counter()
-            await asyncio.gather(
-                *(c.update_weights_from_disk(path, weight_version=version) for c in clients)
-            )
-        finally:
-            # A server left paused would hang every rollout: continue even after a failure.
-            results = await asyncio.gather(
-                *(c.continue_generation() for c in clients), return_exceptions=True
-            )
-        resumed = time.perf_counter()
-        for url, result in zip(self.urls, results, strict=True):
-            if isinstance(result, BaseException):
-                raise RuntimeError(f"continue_generation failed on {url}: {result!r}") from result
-        self.last_timing = {
-            "timing/save_weights": saved - started,
-            "timing/update_weights": resumed - paused,
-            "timing/weight_sync": resumed - started,
-        }
-        self._prune()
-        return version
-
-    def _prune(self) -> None:
-        dirs = sorted(
-            (p for p in self.weights_dir.glob("v[0-9]*") if p.is_dir() and p.name[1:].isdigit()),
-            key=lambda p: int(p.name[1:]),
-        )
-        for old in dirs[: -self.keep]:
-            shutil.rmtree(old, ignore_errors=True)
-
-    async def aclose(self) -> None:
-        if self._clients is not None:
-            await asyncio.gather(*(c.aclose() for c in self._clients))
-            self._clients = None
-
-
 # --------------------------------------------------------------------------- the loop
 
 
@@ -306,7 +228,7 @@ class TrainingLoop:
         cfg: RunConfig,
         trainer: Trainer,
         source: TrajectorySource,
-        weight_sync: WeightSync | None,
+        weight_sync: WeightSync | AdapterSync | None,
         reporter: Reporter | None = None,
         controller: StalenessController | None = None,
         checkpoint_dir: str | Path | None = None,
@@ -318,6 +240,8 @@ class TrainingLoop:
         self.source = source
         self.weight_sync = weight_sync
         self.reporter: Reporter = reporter or NullReporter()
+        if weight_sync is not None and weight_sync.reporter is None:
+            weight_sync.reporter = self.reporter  # its fallbacks are run events
         self.controller = controller
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.keep_checkpoints = keep_checkpoints

@@ -470,7 +470,7 @@ class LocalRun:
             version=resumed.version if resumed else 0,
         )
         self.source = source or QueueSource()
-        self.weight_sync = WeightSync(urls, weights_dir)
+        self.weight_sync = WeightSync(urls, weights_dir, strategy=cfg.weight_sync)
         self.loop = TrainingLoop(
             cfg,
             trainer,

@@ -53,6 +53,7 @@ from rl_core.memory import PeakMemory, enable_activation_checkpointing, resolve_
 from rl_core.metrics import PhaseTimer, StatsAccumulator
 from rl_core.packing import PackedBatch, pack, packed_logprobs
 from rl_core.types import Trajectory
+from rl_core.weight_sender import WeightSender, weight_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +143,7 @@ class PPOTrainer:
             lambda step: lr_factor(step, cfg.lr_schedule, cfg.lr_warmup_steps, cfg.max_steps),
         )
         self.version = 0
+        self._sender = WeightSender()  # distributed weight updates (rl_core.weight_sync)
 
     # ------------------------------------------------------------------ training
 
@@ -360,6 +362,20 @@ class PPOTrainer:
             raise ValueError("save_adapter needs a LoRA run (lora_rank > 0)")
         adapter = full_model_state(self.model, trainable_only=True) if self.fsdp else None
         return self._save(Path(path), None, torch.float32, extra=None, adapter=adapter)
+
+    # Distributed weight updates (rl_core.weight_sender): every rank calls each of them.
+
+    def weight_metadata(self) -> dict[str, list]:
+        return weight_metadata(self)
+
+    def init_weight_group(self, **kwargs: Any) -> None:
+        self._sender.init_group(self, **kwargs)
+
+    def broadcast_weights(self, group_name: str) -> dict[str, Any]:
+        return self._sender.broadcast(self, group_name)
+
+    def destroy_weight_group(self, group_name: str) -> None:
+        self._sender.destroy(group_name)
 
     def save_checkpoint(self, path: str | os.PathLike) -> str:
         """Everything needed to resume exactly: float32 weights (a LoRA run's: the adapter

@@ -149,7 +149,7 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
         weight_sync: Any = (
             AdapterSync(urls, data_dir / "adapters", prefix=run_id)
             if config.lora_rank
-            else WeightSync(urls, data_dir / "weights")
+            else WeightSync(urls, data_dir / "weights", strategy=config.weight_sync)
         )
         loop = TrainingLoop(
             config,

@@ -100,6 +100,26 @@ class TrainerWorker:
         self.trainer.load_checkpoint(path)
         return self.trainer.version
 
+    # Distributed weight updates (rl_core.weight_sync): a failure is returned, never
+    # raised, so that TrainerGroup does not take it for a dead worker.
+
+    def weight_metadata(self) -> dict[str, list]:
+        return self.trainer.weight_metadata()
+
+    def init_weight_group(self, kwargs: dict[str, Any]) -> str | None:
+        try:
+            self.trainer.init_weight_group(**kwargs)
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+    def broadcast_weights(self, group_name: str) -> dict[str, Any] | None:
+        result = self.trainer.broadcast_weights(group_name)
+        return result if self.rank == 0 else None
+
+    def destroy_weight_group(self, group_name: str) -> None:
+        self.trainer.destroy_weight_group(group_name)
+
     def close(self) -> None:
         import torch.distributed as dist
 
@@ -185,6 +205,25 @@ class TrainerGroup:
 
     def load_checkpoint(self, path: str) -> None:
         self.version = self._call("load_checkpoint", str(path))
+
+    # Distributed weight updates: rank 0 hosts the group; every rank gathers for the broadcast.
+
+    def weight_group_address(self) -> tuple[str, int]:
+        return tuple(ray.get(self._actors[0].rendezvous.remote()))  # type: ignore[return-value]
+
+    def weight_metadata(self) -> dict[str, list]:
+        return ray.get(self._actors[0].weight_metadata.remote())
+
+    def init_weight_group(self, **kwargs: Any) -> None:
+        error = ray.get(self._actors[0].init_weight_group.remote(kwargs))
+        if error:
+            raise RuntimeError(error)
+
+    def broadcast_weights(self, group_name: str) -> dict[str, Any]:
+        return self._call("broadcast_weights", group_name)
+
+    def destroy_weight_group(self, group_name: str) -> None:
+        ray.get(self._actors[0].destroy_weight_group.remote(group_name))
 
     def close(self, *, graceful: bool = True) -> None:
         """End the actors (after leaving their process group when ``graceful``) and free the GPUs."""

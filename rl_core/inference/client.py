@@ -11,8 +11,9 @@ generated so far; ``generate`` then resubmits the prompt with those tokens
 appended and the remaining ``max_new_tokens`` budget. The server holds the new
 request until ``/continue_generation`` (SGLang waits on its pause condition; the
 torch engine queues it), so no polling is needed. Every token keeps the weight
-version the server reported for the segment that produced it
-(``meta_info.weight_version``), which is what staleness control is measured by.
+version that produced it: ``meta_info.weight_versions`` (per-token spans, when a
+weight update landed while the request kept running) or else the segment's
+``meta_info.weight_version``; staleness control is measured by these.
 
 The answers' shapes and the errors live in ``rl_core.inference.protocol``; field
 names were checked against SGLang's ``python/sglang/srt/entrypoints/http_server.py``
@@ -45,6 +46,7 @@ from rl_core.inference.protocol import (
     parse_segment,
     parse_weight_version,
 )
+from rl_core.inference.updates import UpdateCalls
 
 __all__ = [
     "GenerateChunk",
@@ -148,7 +150,7 @@ class _Progress:
         )
 
 
-class InferenceClient:
+class InferenceClient(UpdateCalls):
     """Async client for one inference server (SGLang or the torch engine).
 
     Use as ``async with InferenceClient(url) as client: ...`` or call ``aclose()``.
@@ -290,15 +292,15 @@ class InferenceClient:
             async with contextlib.aclosing(events):
                 async for data in events:
                     # Each answer carries the whole segment so far; the chunk is what is new.
-                    ids, logprobs, version, finish, top = parse_segment(
+                    ids, logprobs, versions, finish, top = parse_segment(
                         data, return_logprob=progress.return_logprob, top_n=progress.top_n
                     )
-                    if lora_version is not None:
-                        version = lora_version
+                    if lora_version is not None:  # the adapter's version, not the base's
+                        versions = [lora_version] * len(versions)
                     chunk = GenerateChunk(
                         output_ids=ids[seen:],
                         output_logprobs=logprobs[seen:],
-                        versions=[version] * (len(ids) - seen),
+                        versions=versions[seen:],
                         top_logprobs=top[seen:] if progress.top_n else None,
                     )
                     seen, text = len(ids), data.get("text") or ""
@@ -366,62 +368,6 @@ class InferenceClient:
             "POST", "/continue_generation", json_body={}, timeout=self._control_timeout
         )
         return response.json()
-
-    async def update_weights_from_disk(
-        self,
-        model_path: str,
-        *,
-        weight_version: int | str | None = None,
-        abort_all_requests: bool = False,
-        load_format: str | None = None,
-    ) -> dict[str, Any]:
-        """Load new weights from ``model_path`` (a directory on the server's machine).
-
-        Returns ``{"success": True, "message": ...}``; raises ``InferenceError`` when the
-        server reports failure. ``weight_version`` becomes ``meta_info.weight_version``
-        of everything generated afterwards.
-        """
-        body: dict[str, Any] = {"model_path": model_path, "abort_all_requests": abort_all_requests}
-        if weight_version is not None:
-            body["weight_version"] = str(weight_version)
-        if load_format is not None:
-            body["load_format"] = load_format
-        response = await self._request(
-            "POST", "/update_weights_from_disk", json_body=body, timeout=self._control_timeout
-        )
-        data = response.json()
-        if not data.get("success", False):
-            raise InferenceError(
-                f"update_weights_from_disk failed: {data.get('message')}",
-                status=response.status_code,
-                body=data,
-            )
-        return data
-
-    async def load_lora_adapter(
-        self, lora_name: str, lora_path: str, *, pinned: bool = False
-    ) -> dict[str, Any]:
-        """Load the peft adapter at ``lora_path`` (a directory on the server's machine) as
-        ``lora_name``; serving goes on meanwhile. Returns SGLang's ``{"success",
-        "error_message", "loaded_adapters"}``; raises ``InferenceError`` on failure."""
-        body = {"lora_name": lora_name, "lora_path": lora_path, "pinned": pinned}
-        return await self._lora_update("/load_lora_adapter", body)
-
-    async def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
-        """Unload ``lora_name``: new requests naming it are refused at once; the answer comes
-        once the requests running under it have finished (they are not aborted)."""
-        return await self._lora_update("/unload_lora_adapter", {"lora_name": lora_name})
-
-    async def _lora_update(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        response = await self._request("POST", path, json_body=body, timeout=self._control_timeout)
-        data = response.json()
-        if not data.get("success", False):  # SGLang answers failures with 400 (raised above)
-            raise InferenceError(
-                f"{path} failed: {data.get('error_message')}",
-                status=response.status_code,
-                body=data,
-            )
-        return data
 
     async def abort_request(self, rid: str | None = None, *, abort_all: bool = False) -> None:
         """Abort one request by rid (or all): it returns with finish_reason abort."""

@@ -106,10 +106,31 @@ class GenerateChunk:
     top_logprobs: list[list[tuple[float, int]]] | None = None
 
 
+def token_versions(meta: dict[str, Any], n: int) -> list[int]:
+    """The weight version of each of ``n`` output tokens.
+
+    From ``meta_info.weight_versions`` (SGLang's spans ``{"version", "start", "end"}`` over
+    output token indices, present when a weight update landed while the request ran)
+    when the server reports it; else every token gets ``meta_info.weight_version``.
+    """
+    spans = meta.get("weight_versions")
+    last = parse_weight_version(meta.get("weight_version"))
+    if not isinstance(spans, list) or not spans:
+        return [last] * n
+    versions: list[int] = []
+    try:
+        for span in spans:
+            end = min(int(span["end"]), n)
+            versions += [parse_weight_version(span["version"])] * max(0, end - len(versions))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InferenceError(f"malformed meta_info.weight_versions ({exc!r})", body=meta) from None
+    return versions + [last] * (n - len(versions))
+
+
 def parse_segment(
     data: dict[str, Any], *, return_logprob: bool, top_n: int
-) -> tuple[list[int], list[float], int, dict | None, list]:
-    """Parse one /generate response: ids, logprobs, version, finish_reason, top logprobs."""
+) -> tuple[list[int], list[float], list[int], dict | None, list]:
+    """Parse one /generate response: ids, logprobs, versions (per token), finish_reason, top logprobs."""
     try:
         ids = [int(t) for t in data["output_ids"]]
         meta = data["meta_info"]
@@ -133,7 +154,7 @@ def parse_segment(
     return (
         ids,
         logprobs,
-        parse_weight_version(meta.get("weight_version")),
+        token_versions(meta, len(ids)),
         meta.get("finish_reason"),
         top,
     )

@@ -421,7 +421,9 @@ async def test_update_weights_from_disk_swaps_weights_and_version(
     assert again["meta_info"]["weight_version"] == "2"
 
 
-async def test_update_waits_for_running_requests_unless_told_to_abort(slow_engine, tiny_model_dir):
+async def test_update_swaps_under_running_requests_unless_told_to_abort(
+    slow_engine, tiny_model_dir
+):
     url = slow_engine.url
     running = asyncio.create_task(generate(url, PROMPT, max_new_tokens=40, temperature=0))
     await wait_for(lambda: _running(url))
@@ -429,10 +431,15 @@ async def test_update_waits_for_running_requests_unless_told_to_abort(slow_engin
         url, "/update_weights_from_disk", {"model_path": str(tiny_model_dir), "weight_version": "7"}
     )
     assert update.json()["success"] is True
-    finished = running.result() if running.done() else await asyncio.wait_for(running, 10)
-    # The request finished under the old weights before the swap: one version per response.
-    assert finished["meta_info"]["finish_reason"]["type"] == "length"
-    assert finished["meta_info"]["weight_version"] != "7"
+    assert update.json()["swap_seconds"] >= 0
+    finished = await asyncio.wait_for(running, 10)
+    # Not aborted: the request went on under the new weights; its tokens say which made them.
+    meta = finished["meta_info"]
+    assert meta["finish_reason"]["type"] == "length"
+    spans = meta["weight_versions"]
+    assert spans[0]["start"] == 0 and spans[-1]["end"] == 40
+    assert spans[-1]["version"] == "7" == meta["weight_version"]
+    assert all(a["end"] == b["start"] for a, b in zip(spans, spans[1:], strict=False))
 
     running = asyncio.create_task(generate(url, PROMPT, max_new_tokens=300, temperature=0))
     await wait_for(lambda: _running(url))

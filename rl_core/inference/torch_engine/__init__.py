@@ -13,7 +13,9 @@ Endpoints (field names as SGLang's ``http_server.py`` / ``io_struct.py``):
 ``logprob_start_len``, ``top_logprobs_num``, ``return_text_in_logprobs``, ``rid``,
 ``stream``), ``POST /pause_generation`` (``mode: "abort"``), ``POST /continue_generation``,
 ``POST /update_weights_from_disk`` (``model_path``, ``weight_version``,
-``abort_all_requests``), ``POST /abort_request``, ``POST /slow_down``,
+``abort_all_requests``), ``POST /init_weights_update_group``,
+``POST /update_weights_from_distributed``, ``POST /destroy_weights_update_group``
+(``weight_update``), ``POST /abort_request``, ``POST /slow_down``,
 ``GET|POST /flush_cache``, ``GET /health``, ``GET /health_generate``,
 ``GET /get_model_info`` = ``/model_info``, ``GET /get_server_info`` = ``/server_info``,
 ``GET /get_weight_version`` = ``/weight_version``, ``GET /v1/models``.
@@ -25,9 +27,12 @@ Semantics that RL relies on:
   position (before top-k/top-p/min-p; temperature 1 for a greedy request), as SGLang
   reports it by default: what the trainer recomputes with each token's temperature
   (``rl_core.sampling``). Prompt logprobs (``logprob_start_len``) are of the raw logits.
-* ``meta_info.weight_version`` is the version of the weights that produced every
-  token of the response: a weight update never lands in the middle of a request
-  (it waits for running requests to finish, as SGLang's does, or aborts them).
+* A weight update (``/update_weights_from_disk`` or ``/update_weights_from_distributed``)
+  loads or receives the new weights beside generation and swaps them in between two
+  decode steps; requests in flight go on under the new weights. ``meta_info.
+  weight_versions`` (as newer SGLang) lists spans ``{"version", "start", "end"}`` of
+  output tokens by the version that produced them, and ``meta_info.weight_version``
+  is the last token's version.
 * ``/pause_generation`` aborts every running and queued request; each returns
   ``finish_reason {"type": "abort"}`` with the tokens generated so far. Requests
   that arrive while paused wait until ``/continue_generation``.
@@ -39,7 +44,7 @@ recurrent layers are not supported.
 
 The package: ``protocol`` (SGLang's request and response bodies), ``engine`` (the
 model, the scheduler thread, weight updates), ``kv_cache`` (the running batch's
-left-padded cache), ``server`` (the HTTP routes), ``__main__`` (the command line).
+left-padded cache), ``server`` (the HTTP routes), ``weight_update`` (the distributed weight update), ``__main__`` (the command line).
 """
 
 from rl_core.inference.torch_engine.engine import EngineStopped, TorchEngine, load_model

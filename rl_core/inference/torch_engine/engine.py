@@ -99,6 +99,7 @@ class TorchEngine:
         # The running batch (scheduler thread only); row i of the cache is _running[i].
         self._running: list[GenerateRequest] = []
         self._cache = PaddedBatchCache(self.device)
+        self.receiver: Any = None  # weight_update.WeightReceiver, made on the first group init
 
         self.stats = {
             "max_batch_size_seen": 0,
@@ -108,6 +109,7 @@ class TorchEngine:
             "num_aborted_reqs": 0,
             "num_generated_tokens": 0,
             "num_weight_updates": 0,
+            "last_swap_seconds": 0.0,  # how long the last weight swap held the scheduler
             "busy_seconds": 0.0,  # wall time in scheduler steps (prefill + decode): utilisation
         }
         self._thread = threading.Thread(
@@ -237,16 +239,41 @@ class TorchEngine:
         _check_same_shapes(self.model, new_model)
         return new_model
 
-    def swap_model(self, model: Any, model_path: str, weight_version: str | None) -> None:
-        """Install new weights; only called when no request is running."""
-        assert not self._running, "weights must not change under a running request"
+    def swap_model(self, model: Any, model_path: str, weight_version: str | None) -> float:
+        """Install a new model between two steps; running requests go on with it. Seconds."""
+        started = time.perf_counter()
         self.model = model
         self.model_path = model_path
         if self.adapters is not None:
             self.adapters.attach(model)
+        self._updated(weight_version)
+        return self._swapped(started)
+
+    def install_weights(
+        self, tensors: dict[str, torch.Tensor], weight_version: str | None
+    ) -> float:
+        """Copy received tensors into the model between two steps (state-dict names). Seconds.
+
+        Running requests keep their KV cache (computed by the old weights, as SGLang's
+        in-place pause keeps it) and sample their next tokens from the new ones.
+        """
+        started = time.perf_counter()
+        state = self.model.state_dict()
+        with torch.no_grad():
+            for name, tensor in tensors.items():
+                state[name].copy_(tensor)
+        self._updated(weight_version)
+        return self._swapped(started)
+
+    def _updated(self, weight_version: str | None) -> None:
         if weight_version is not None:
             self.weight_version = str(weight_version)
         self.stats["num_weight_updates"] += 1
+
+    def _swapped(self, started: float) -> float:
+        seconds = time.perf_counter() - started
+        self.stats["last_swap_seconds"] = seconds
+        return seconds
 
     # ----- scheduler thread
 
@@ -383,6 +410,7 @@ class TorchEngine:
             token = self._sample(logits[i], req)
             req.output_ids.append(token)
             req.output_logprobs.append(float(logprobs[i, token]))
+            req.output_versions.append(self.weight_version)
             if req.top_logprobs_num:
                 top = logprobs[i].topk(req.top_logprobs_num)
                 req.output_top.append(

@@ -174,6 +174,7 @@ class GenerateRequest:
         self.created = time.monotonic()
         self.output_ids: list[int] = []
         self.output_logprobs: list[float] = []
+        self.output_versions: list[str] = []  # the weight version that sampled each output token
         self.output_top: list[list[tuple[float, int]]] = []
         self.input_logprobs: list[tuple[float | None, int]] = []
         self.finish: dict[str, Any] | None = None
@@ -265,7 +266,9 @@ def generate_response(
         "prompt_tokens": len(req.input_ids),
         "completion_tokens": len(req.output_ids),
         "cached_tokens": 0,
-        "weight_version": weight_version,
+        # SGLang's per-token record: spans of output tokens by the version that produced them.
+        "weight_versions": version_spans(req.output_versions, weight_version),
+        "weight_version": req.output_versions[-1] if req.output_versions else weight_version,
         "e2e_latency": time.monotonic() - req.created,
     }
     if req.return_logprob:
@@ -282,6 +285,19 @@ def generate_response(
                 [[lp, t, piece(t)] for lp, t in row] for row in req.output_top
             ]
     return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
+
+
+def version_spans(versions: list[str], current: str) -> list[dict[str, Any]]:
+    """``[{"version", "start", "end"}]`` over output token indices, as SGLang's ``weight_versions``."""
+    if not versions:
+        return [{"version": current, "start": 0, "end": 0}]
+    spans: list[dict[str, Any]] = []
+    for i, version in enumerate(versions):
+        if spans and spans[-1]["version"] == version:
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": version, "start": i, "end": i + 1})
+    return spans
 
 
 # --------------------------------------------------------------------------- control endpoints

@@ -16,6 +16,7 @@ from typing import Any
 
 from aiohttp import web
 
+from rl_core.inference.torch_engine import weight_update
 from rl_core.inference.torch_engine.engine import EngineStopped, TorchEngine
 from rl_core.inference.torch_engine.protocol import (
     BadRequest,
@@ -183,7 +184,7 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     body = parse_update_weights_request(await _json_body(request))
     try:
-        # Load while still serving; only the swap waits for running requests.
+        # Load while still serving; only the swap (between two steps) holds generation.
         new_model = await asyncio.to_thread(engine.load_weights, body.model_path)
     except Exception as exc:
         message = f"Failed to update weights from {body.model_path}: {exc}"
@@ -193,14 +194,15 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
         )
     if body.abort_all_requests:
         await engine.call(lambda: engine.abort(abort_all=True))
-    await engine.call(
-        lambda: engine.swap_model(new_model, body.model_path, body.weight_version),
-        when_idle=True,
+    # Swapped between two decode steps: running requests go on under the new weights.
+    swap = await engine.call(
+        lambda: engine.swap_model(new_model, body.model_path, body.weight_version)
     )
     message = "Succeeded to update model weights."
     if body.weight_version is not None:
         message += f" Weight version updated to {body.weight_version}."
-    return web.json_response({"success": True, "message": message, "num_paused_requests": 0})
+    body_out = {"success": True, "message": message, "num_paused_requests": 0}
+    return web.json_response({**body_out, "swap_seconds": swap})
 
 
 async def slow_down(request: web.Request) -> web.Response:
@@ -315,6 +317,7 @@ ROUTES = [
     web.post("/continue_generation", continue_generation),
     web.post("/abort_request", abort_request),
     web.post("/update_weights_from_disk", update_weights_from_disk),
+    *weight_update.ROUTES,
     web.post("/slow_down", slow_down),
     web.post("/load_lora_adapter", load_lora_adapter),
     web.post("/unload_lora_adapter", unload_lora_adapter),
