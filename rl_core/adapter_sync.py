@@ -35,6 +35,7 @@ from typing import Any
 
 from rl_core.inference.adapters import adapter_name
 from rl_core.inference.client import InferenceClient
+from rl_core.weight_sync import dir_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +109,11 @@ class AdapterSync:
             task = asyncio.create_task(self._unload(old, clients))
             self._retiring.add(task)
             task.add_done_callback(self._retiring.discard)
+        # WeightSync's metrics: an adapter load stalls no generation (nothing pauses).
         self.last_timing = {
+            "weight_sync/bytes": float(dir_bytes(path)),
+            "timing/weight_transfer": loaded - started,
+            "timing/inference_stall": 0.0,
             "timing/save_weights": saved - started,
             "timing/update_weights": loaded - saved,
             "timing/weight_sync": loaded - started,

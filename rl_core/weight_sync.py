@@ -65,7 +65,7 @@ def _weights_name(version: int) -> str:
     return f"v{version:06d}"
 
 
-def _dir_bytes(path: str | Path) -> int:
+def dir_bytes(path: str | Path) -> int:
     return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
 
 
@@ -215,7 +215,7 @@ class WeightSync:
         path = await asyncio.to_thread(trainer.save_weights, str(target))
         saved = time.perf_counter()
         stats["save"] = saved - started
-        stats["bytes"] += await asyncio.to_thread(_dir_bytes, path)
+        stats["bytes"] += await asyncio.to_thread(dir_bytes, path)
 
         async def one(server: _Server) -> float:
             kind = await self._kind(server)

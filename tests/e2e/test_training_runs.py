@@ -190,7 +190,6 @@ def test_a_run_the_cluster_cannot_hold_fails_saying_what_it_needs(stack, rest):
 
 
 def test_online_agents_train_while_running_within_the_staleness_bound(stack, rest, project):
-    from openai import APIStatusError, OpenAI
 
     from webapp.gateway.models import Session
 
@@ -216,6 +215,46 @@ def test_online_agents_train_while_running_within_the_staleness_bound(stack, res
         180,
         f"the run to be running\n{stack.log_tail()}",
     )
+
+    seen_versions, ended = _agents_until_the_run_ends(rest, run, agent)
+
+    wait_for(
+        lambda: run_state(rest, run["id"])["status"] == "completed",
+        240,
+        f"the run to complete\n{stack.log_tail()}",
+    )
+    assert len(seen_versions) > 1, "the policy version served changed while agents kept running"
+
+    sessions = {str(s.id): s for s in Session.objects.filter(run_id=run["id"])}
+    trained = [s for s in sessions.values() if s.trajectory == "trained"]
+    assert (
+        len(trained) >= 6 * batch - max_staleness * batch
+    )  # every step trained a full batch (dropped ones excepted)
+    assert all(sessions[sid].trajectory in ("trained", "dropped", "ready") for sid in ended)
+    for session in trained:
+        versions = [
+            v for turn in session.interactions.all() for v in turn.outputs[turn.chosen]["versions"]
+        ]
+        assert session.trained_version - min(versions) <= max_staleness + 1, (
+            session.trained_version,
+            versions,
+        )
+
+    # The new weights reached the server by broadcast every step (weight_sync's default,
+    # through the Ray trainer worker's own group), never by the disk fallback.
+    from webapp.runs.models import MetricPoint, RunEvent
+
+    assert not RunEvent.objects.filter(run_id=run["id"], kind="weight_sync").exists()
+    moved = MetricPoint.objects.filter(run_id=run["id"], name="weight_sync/bytes")
+    assert moved.count() == 6 and all(point.value > 0 for point in moved)
+    assert not MetricPoint.objects.filter(run_id=run["id"], name="timing/save_weights").exists()
+
+
+def _agents_until_the_run_ends(rest, run, agent) -> tuple[set[int], list[str]]:
+    """Agents play 2-turn sessions (temperature 1, rewarded for an "a") through the gateway
+    with the official openai SDK until the run stops running; the policy versions they
+    were served and the ids of the sessions they ended."""
+    from openai import APIStatusError, OpenAI
 
     project_key = rest.headers["Authorization"].split()[1]
     seen_versions: set[int] = set()
@@ -264,27 +303,7 @@ def test_online_agents_train_while_running_within_the_staleness_bound(stack, res
         assert httpx.post(f"{agent['base_url']}/rl/end_session", headers=auth).status_code == 200
         ended.append(session["session_id"])
 
-    wait_for(
-        lambda: run_state(rest, run["id"])["status"] == "completed",
-        240,
-        f"the run to complete\n{stack.log_tail()}",
-    )
-    assert len(seen_versions) > 1, "the policy version served changed while agents kept running"
-
-    sessions = {str(s.id): s for s in Session.objects.filter(run_id=run["id"])}
-    trained = [s for s in sessions.values() if s.trajectory == "trained"]
-    assert (
-        len(trained) >= 6 * batch - max_staleness * batch
-    )  # every step trained a full batch (dropped ones excepted)
-    assert all(sessions[sid].trajectory in ("trained", "dropped", "ready") for sid in ended)
-    for session in trained:
-        versions = [
-            v for turn in session.interactions.all() for v in turn.outputs[turn.chosen]["versions"]
-        ]
-        assert session.trained_version - min(versions) <= max_staleness + 1, (
-            session.trained_version,
-            versions,
-        )
+    return seen_versions, ended
 
 
 def _pids_whose_command_has(fragment: str) -> list[int]:
@@ -300,6 +319,50 @@ def _pids_whose_command_has(fragment: str) -> list[int]:
         if fragment in command:
             pids.append(int(entry.name))
     return pids
+
+
+def test_an_online_lora_run_serves_each_version_as_an_adapter_without_pausing(stack, rest):
+    from webapp.runs.models import MetricPoint, RunEvent
+
+    created = rest.post(
+        "/runs/",
+        json={
+            "name": "online lora",
+            "mode": "online",
+            "base_model": str(stack.model_dir),
+            "batch_size": 4,
+            "max_staleness": 2,
+            "max_steps": 3,
+            "learning_rate": 1e-2,
+            "lora_rank": 4,
+            "save_every": 3,
+        },
+    )
+    assert created.status_code == 201, created.text
+    run = created.json()
+    agent = rest.post("/agents/", json={"name": "lora agent", "run": run["id"]}).json()
+    assert rest.post(f"/runs/{run['id']}/start/").status_code == 202
+    wait_for(
+        lambda: run_state(rest, run["id"])["status"] == "running",
+        180,
+        f"the run to be running\n{stack.log_tail()}",
+    )
+    seen_versions, _ = _agents_until_the_run_ends(rest, run, agent)
+    wait_for(
+        lambda: run_state(rest, run["id"])["status"] == "completed",
+        240,
+        f"the run to complete\n{stack.log_tail()}",
+    )
+    # Versions 1.. were served as adapters <run>-v<N> loaded beside the base model: the
+    # replies say which version answered, and no update stalled generation.
+    assert len(seen_versions) > 1, seen_versions
+    stalls = MetricPoint.objects.filter(run_id=run["id"], name="timing/inference_stall")
+    assert stalls.count() == 3 and all(point.value == 0.0 for point in stalls)
+    moved = MetricPoint.objects.filter(run_id=run["id"], name="weight_sync/bytes")
+    model_bytes = sum(f.stat().st_size for f in Path(stack.model_dir).glob("*.safetensors"))
+    assert moved.count() == 3
+    assert all(0 < point.value < model_bytes / 2 for point in moved)  # an adapter, not the model
+    assert not RunEvent.objects.filter(run_id=run["id"], kind__in=["weight_sync", "error"]).exists()
 
 
 def test_a_killed_job_is_restarted_from_its_checkpoint_without_losing_trajectories(stack, rest):
