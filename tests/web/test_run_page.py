@@ -27,6 +27,8 @@ def test_metrics_are_grouped_by_prefix_with_reward_and_eval_leading():
             "staleness/max",
             "perf/tokens_per_s",
             "timing/step",
+            "timing/inference_stall",
+            "weight_sync/bytes",
             "loss/total",
             "rollout/seq_len",
             "mystery/thing",
@@ -37,6 +39,7 @@ def test_metrics_are_grouped_by_prefix_with_reward_and_eval_leading():
         ("Reward", ["rollout/seq_len"]),
         ("Policy / PPO", ["loss/total", "ppo/loss"]),
         ("Staleness", ["staleness/max"]),
+        ("Weight sync", ["timing/inference_stall", "weight_sync/bytes"]),
         ("Throughput / System", ["perf/tokens_per_s", "timing/step"]),
         ("Other", ["mystery/thing"]),
     ]

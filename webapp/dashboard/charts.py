@@ -16,6 +16,13 @@ PANELS: list[tuple[str, str, tuple[str, ...]]] = [
     ("reward", "Reward", ("rollout/",)),
     ("policy", "Policy / PPO", ("ppo/", "loss/")),
     ("staleness", "Staleness", ("staleness/",)),
+    # Before "system", which takes every other timing/: what each weight update moved and
+    # how long it held inference up (rl_core.weight_sync, rl_core.adapter_sync).
+    (
+        "sync",
+        "Weight sync",
+        ("weight_sync/", "timing/weight_", "timing/inference_stall", "timing/save_weights"),
+    ),
     ("system", "Throughput / System", ("perf/", "timing/", "sessions/", "system/")),
 ]
 OTHER = ("other", "Other")
