@@ -200,6 +200,9 @@ RUN_MAX_RESTARTS = envint("RUN_MAX_RESTARTS", 3, minimum=0)
 STEEP_TORCH_THREADS = envint("STEEP_TORCH_THREADS", 1, minimum=1)
 # How long a run's trainer workers wait for free GPUs (CPUs) before the run fails.
 STEEP_PLACEMENT_TIMEOUT_S = envint("STEEP_PLACEMENT_TIMEOUT_S", 600, minimum=1)
+# The bound on every step of a weight update (group join, broadcast, load): a server that
+# misses it is reported and takes weights from disk from then on (rl_core.weight_sync).
+STEEP_WEIGHT_SYNC_TIMEOUT_S = envint("STEEP_WEIGHT_SYNC_TIMEOUT_S", 120, minimum=1)
 
 # The demo `./steep up` sets up: its model (offered first as a run's base_model) and the
 # demo agent that keeps its online run busy (webapp.runs.demo_agent).

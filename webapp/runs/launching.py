@@ -65,6 +65,7 @@ def _submit(run: Run) -> str:
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
         "STEEP_TORCH_THREADS": str(settings.STEEP_TORCH_THREADS),
         "STEEP_PLACEMENT_TIMEOUT_S": str(settings.STEEP_PLACEMENT_TIMEOUT_S),
+        "STEEP_WEIGHT_SYNC_TIMEOUT_S": str(settings.STEEP_WEIGHT_SYNC_TIMEOUT_S),
     }
     if cluster.local:  # this machine: record the inference servers where a stop of Steep finds them
         env["STEEP_PID_DIR"] = str(inference_pid_dir(settings.DATA_DIR))
