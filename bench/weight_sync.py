@@ -1,50 +1,82 @@
 """Weight sync per update: bytes, transfer seconds, and how long inference stood still.
 
     nice -n 19 .venv/bin/python bench/weight_sync.py [--model tiny|smollm2|PATH] [--updates 5]
-        [--strategies disk,distributed] [--threads 2] [--out results.json]
+        [--strategies stop-the-world,disk,distributed,lora] [--threads 2]
+        [--out .steep/bench/weight_sync.json]
 
-For each strategy (``rl_core.weight_sync``): one torch-engine server and one
-``PPOTrainer`` on the same model; a client streams tokens continuously (one long
-greedy generation after another) while the trainer's weights are perturbed and pushed
-``--updates`` times. Per update it reports what ``WeightSync`` measured
-(``weight_sync/bytes``, ``timing/weight_transfer``, ``timing/inference_stall``,
-``timing/weight_sync``) and, measured from the outside, the longest gap between two
-streamed tokens during the push against the median gap outside pushes: the stall a
-client sees. ``smollm2`` is SmolLM2-135M-Instruct as ``bench/real_model.py`` builds it
-under ``.steep/bench/models/``.
+For each strategy: one torch-engine server and one ``PPOTrainer`` on the same model; a
+client streams tokens continuously (one long greedy generation after another) while the
+trainer's weights are perturbed and pushed ``--updates`` times.
 
-``STRATEGIES`` maps a column name to a factory ``(urls, weights_dir) -> WeightSync-like``
-(anything with ``push(trainer)``, ``last_timing`` and ``aclose()``): add a LoRA-adapter
-column there once adapter serving exists.
+Strategies (``STRATEGIES``):
+
+``stop-the-world``  the path before issue 14: save → ``pause_generation`` (mode
+                    ``abort``) → ``update_weights_from_disk`` → ``continue_generation``;
+                    the client resumes its aborted request (a re-prefill of prompt + output).
+``disk``            save → ``update_weights_from_disk``: load beside generation, swap
+                    between two decode steps (``rl_core.weight_sync``).
+``distributed``     broadcast over a gloo group into staging buffers, then the swap.
+``lora``            a LoRA run (``lora_rank`` 8): ``AdapterSync`` saves the adapter and
+                    loads it as a new adapter ``<run>-v<N>``; the client streams under the
+                    newest adapter (each new generation names ``sync.current``).
+
+Per update, from the strategy itself: ``bytes`` (broadcast tensors, saved weights, or the
+adapter's files), ``transfer_s`` (broadcast, save + load, or adapter save + load) and
+``engine_stall_s`` (what the engine reports: the swap, or pause → continue; an adapter
+load has no swap, so 0). Measured from the outside, the same way for every strategy:
+``client_gap_s``, the longest wait between two streamed tokens that overlaps the push;
+``client_stall_s`` = that gap minus the median gap outside pushes (time during which no
+token came out that otherwise would have: stalled); and ``client_rate`` = tokens per
+second during the push (at least 0.5 s from its start) ÷ tokens per second outside pushes (below 1: slower, e.g. a
+transfer competing for the CPU, which is not a stall). The table reports median and
+max over the updates. ``smollm2`` is SmolLM2-135M-Instruct as ``bench/real_model.py``
+builds it under ``.steep/bench/models/``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import multiprocessing
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from rl_core.adapter_sync import AdapterSync  # noqa: E402
 from rl_core.config import RunConfig  # noqa: E402
 from rl_core.inference.client import InferenceClient  # noqa: E402
 from rl_core.inference.launch import TorchEngineServer  # noqa: E402
 from rl_core.weight_sync import WeightSync  # noqa: E402
 
 SMOLLM2 = ROOT / ".steep" / "bench" / "models" / "smollm2-135m-instruct"
+LORA_RANK = 8
 
-STRATEGIES: dict[str, Callable[[list[str], Path], Any]] = {
-    "disk": lambda urls, d: WeightSync(urls, d, strategy="disk"),
-    "distributed": lambda urls, d: WeightSync(urls, d, strategy="distributed"),
-    # "lora_adapter": lambda urls, d: AdapterSync(urls, d),  # hook for adapter serving
+
+@dataclass(frozen=True)
+class Strategy:
+    """``make(urls, work_dir)`` → anything with ``push(trainer)``, ``last_timing``, ``aclose()``."""
+
+    make: Callable[[list[str], Path], Any]
+    lora: bool = False
+
+
+STRATEGIES: dict[str, Strategy] = {
+    "stop-the-world": Strategy(
+        lambda urls, d: WeightSync(urls, d, strategy="disk", pause_mode="abort")
+    ),
+    "disk": Strategy(lambda urls, d: WeightSync(urls, d, strategy="disk")),
+    "distributed": Strategy(lambda urls, d: WeightSync(urls, d, strategy="distributed")),
+    "lora": Strategy(lambda urls, d: AdapterSync(urls, d, prefix="bench"), lora=True),
 }
 
 
@@ -61,92 +93,217 @@ def model_dir(name: str, work: Path) -> Path:
 
 
 class TokenClock:
-    """Streams greedy generations back to back and records when each token arrived."""
+    """Streams greedy generations back to back and records when each token arrived.
 
-    def __init__(self, url: str):
-        self.client = InferenceClient(url)
+    Runs in a process of its own by default (``start_process``): the trainer's save or
+    broadcast in this process holds the GIL for long stretches, which would delay this
+    event loop and time tokens late, a gap the server never had. ``time.perf_counter``
+    is CLOCK_MONOTONIC, shared by both processes.
+    """
+
+    def __init__(self, url: str, lora_path: Callable[[], str | None] = lambda: None):
+        self.url = url
+        self.lora_path = lora_path  # read at the start of each generation
         self.times: list[float] = []
         self._task: asyncio.Task | None = None
+        self._proc: Any = None
+        self._conn: Any = None
 
     async def _run(self) -> None:
-        while True:
-            stream = self.client.generate_stream(
-                [1, 2, 3, 4], {"max_new_tokens": 4096, "temperature": 0, "ignore_eos": True}
-            )
-            async for chunk in stream:
-                now = time.perf_counter()
-                self.times += [now] * len(chunk.output_ids)
+        async with contextlib.aclosing(_Closing(InferenceClient(self.url))) as holder:
+            while True:
+                stream = holder.client.generate_stream(
+                    [1, 2, 3, 4],
+                    {"max_new_tokens": 1024, "temperature": 0, "ignore_eos": True},
+                    lora_path=self.lora_path(),
+                )
+                async for chunk in stream:
+                    now = time.perf_counter()
+                    self.times += [now] * len(chunk.output_ids)
 
     def start(self) -> None:
+        """Stream in this process's event loop (``--inline-clock``)."""
         self._task = asyncio.create_task(self._run())
+
+    def start_process(self, lora_file: Path) -> None:
+        """Stream from a child process; each generation runs under the adapter named in
+        ``lora_file`` (the base model while it is empty)."""
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_clock_process, args=(self.url, lora_file, child))
+        self._proc.start()
+        self._conn.recv()  # the first token arrived
 
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        await self.client.aclose()
+        if self._proc is not None:
+            self._conn.send("stop")
+            self.times = await asyncio.to_thread(self._conn.recv)
+            self._proc.join(timeout=30)
+
+    def _gaps(self) -> list[tuple[float, float]]:
+        return [(a, b) for a, b in zip(self.times, self.times[1:], strict=False) if b > a]
 
     def longest_gap(self, start: float, end: float) -> float:
         """The longest wait for a token that overlaps [start, end] (a push)."""
-        gaps = [
-            b - a
-            for a, b in zip(self.times, self.times[1:], strict=False)
-            if b >= start and a <= end
-        ]
+        gaps = [b - a for a, b in self._gaps() if b >= start and a <= end]
         return max(gaps, default=end - start)
 
-    def median_gap(self, windows: list[tuple[float, float]]) -> float:
-        gaps = [
-            b - a
-            for a, b in zip(self.times, self.times[1:], strict=False)
-            if b > a and not any(b >= s and a <= e for s, e in windows)
-        ]
-        return statistics.median(gaps) if gaps else float("nan")
+    def rate(self, start: float, end: float) -> float:
+        """Tokens per second that arrived in [start, end], widened to at least 0.5 s."""
+        end = max(end, start + 0.5)
+        return sum(1 for t in self.times if start <= t <= end) / (end - start)
+
+    def baseline(self, windows: list[tuple[float, float]]) -> tuple[float, float]:
+        """The median gap and the token rate outside the windows (the pushes)."""
+        gaps = [b - a for a, b in self._gaps() if not any(b >= s and a <= e for s, e in windows)]
+        if not gaps:
+            return float("nan"), float("nan")
+        return statistics.median(gaps), len(gaps) / sum(gaps)
+
+
+class _Closing:
+    def __init__(self, client: InferenceClient):
+        self.client = client
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+
+def _clock_process(url: str, lora_file: Path, conn: Any) -> None:
+    """A child process: stream until told to stop, then send the token times back."""
+
+    async def run() -> list[float]:
+        clock = TokenClock(url, lambda: lora_file.read_text().strip() or None)
+        clock.start()
+        while not clock.times:
+            await asyncio.sleep(0.01)
+        conn.send("ready")
+        await asyncio.to_thread(conn.recv)
+        await clock.stop()
+        return clock.times
+
+    conn.send(asyncio.run(run()))
+
+
+def _perturb(trainer: Any, step: int) -> None:
+    import torch
+
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            if trainer.lora and p.requires_grad:
+                p.add_(1e-3 * step)  # a fresh adapter's B is 0: make every version differ
+            elif not trainer.lora:
+                p.mul_(1.0 + 1e-3 * step)
+    trainer.version += 1
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 async def bench_strategy(name: str, model: Path, args: argparse.Namespace, work: Path) -> dict:
-    import torch
-
     from rl_core.trainer import PPOTrainer
 
-    server = TorchEngineServer(model, host="127.0.0.1", weight_version=0, num_threads=args.threads)
+    strategy = STRATEGIES[name]
+    lora = {"lora_rank": LORA_RANK} if strategy.lora else {}
+    server = TorchEngineServer(
+        model, host="127.0.0.1", weight_version=0, num_threads=args.threads, **lora
+    )
     server.start()
     try:
         server.wait_healthy(timeout=300)
-        cfg = RunConfig.from_dict({"base_model": str(model), "reward": {"type": "exact_match"}})
+        cfg = RunConfig.from_dict(
+            {"base_model": str(model), "reward": {"type": "exact_match"}, **lora}
+        )
         trainer = PPOTrainer(cfg, device="cpu")
-        sync = STRATEGIES[name]([server.url], work / f"weights-{name}")
-        clock = TokenClock(server.url)
-        clock.start()
-        await asyncio.sleep(2.0)  # a baseline of undisturbed tokens
-        updates, windows = [], []
+        where = work / f"weights-{name}"
+        sync = strategy.make([server.url], where)
+        if strategy.lora:  # stream under an adapter from the start, not the base model
+            _perturb(trainer, 1)
+            await sync.push(trainer)
+        lora_file = work / f"lora-{name}.txt"  # the adapter new generations name
+
+        def publish() -> None:
+            lora_file.write_text(getattr(sync, "current", None) or "")
+
+        publish()
+        clock = TokenClock(server.url, lambda: getattr(sync, "current", None))
+        if args.inline_clock:
+            clock.start()
+        else:
+            clock.start_process(lora_file)
+        await asyncio.sleep(args.settle)  # a baseline of undisturbed tokens
+        pushes: list[tuple[float, float, dict[str, float]]] = []
         try:
             for i in range(args.updates):
-                with torch.no_grad():
-                    for p in trainer.model.parameters():
-                        p.mul_(1.0 + 1e-3 * (i + 1))
-                trainer.version += 1
+                _perturb(trainer, i + 2)
                 start = time.perf_counter()
                 await sync.push(trainer)
                 end = time.perf_counter()
-                windows.append((start, end))
-                await asyncio.sleep(1.0)  # tokens after the push close the last gap
-                updates.append(
-                    {
-                        **{k: round(v, 4) for k, v in sync.last_timing.items()},
-                        "client_longest_token_gap_s": round(clock.longest_gap(start, end), 4),
-                    }
-                )
+                publish()
+                timing = dict(sync.last_timing)
+                if strategy.lora:
+                    timing["weight_sync/bytes"] = _dir_bytes(where / f"v{trainer.version}")
+                pushes.append((start, end, timing))
+                await asyncio.sleep(args.settle)  # tokens after the push close the last gap
         finally:
             await clock.stop()
             await sync.aclose()
+        median_gap, base_rate = clock.baseline([(s, e) for s, e, _ in pushes])
+        updates = []
+        for start, end, timing in pushes:
+            gap = clock.longest_gap(start, end)
+            updates.append(
+                {
+                    "bytes": int(timing.get("weight_sync/bytes", 0)),
+                    "transfer_s": timing.get(
+                        "timing/weight_transfer", timing.get("timing/weight_sync", 0.0)
+                    ),
+                    "engine_stall_s": timing.get("timing/inference_stall", 0.0),
+                    "push_s": end - start,
+                    "client_gap_s": gap,
+                    "client_stall_s": max(0.0, gap - median_gap),
+                    "client_rate": clock.rate(start, end) / base_rate,
+                    "raw": timing,
+                }
+            )
         return {
             "strategy": name,
-            "median_token_gap_s": round(clock.median_gap(windows), 4),
+            "median_token_gap_s": median_gap,
+            "tokens_per_s": base_rate,
             "updates": updates,
         }
     finally:
         server.stop()
+
+
+COLUMNS = [  # (key, header, format)
+    ("bytes", "bytes/update", "{:,.0f}"),
+    ("transfer_s", "transfer s", "{:.3f}"),
+    ("engine_stall_s", "engine stall s", "{:.4f}"),
+    ("client_stall_s", "client stall s", "{:.3f}"),
+    ("client_rate", "token rate during push", "{:.2f}x"),
+]
+
+
+def table(results: dict) -> str:
+    """Markdown: median (max) over the updates of each strategy."""
+    head = ["strategy", *(h for _, h, _ in COLUMNS), "median token gap s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in results["strategies"]:
+        cells = [r["strategy"]]
+        for key, _, fmt in COLUMNS:
+            values = [u[key] for u in r["updates"]]
+            med, top = statistics.median(values), max(values)
+            if key == "client_rate":
+                top = min(values)  # the worst is the slowest
+            cells.append(f"{fmt.format(med)} ({fmt.format(top)})")
+        cells.append(f"{r['median_token_gap_s']:.4f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -155,32 +312,34 @@ def main() -> None:
     parser.add_argument("--updates", type=int, default=5)
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("--threads", type=int, default=2, help="the server's torch threads")
-    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument("--settle", type=float, default=2.0, help="seconds between pushes")
+    parser.add_argument(
+        "--inline-clock",
+        action="store_true",
+        help="stream in the trainer's process (shows the GIL artifact the default avoids)",
+    )
+    parser.add_argument(
+        "--out", default=str(ROOT / ".steep" / "bench" / "weight_sync.json"), help="JSON here"
+    )
     args = parser.parse_args()
+    names = args.strategies.split(",")
+    unknown = [n for n in names if n not in STRATEGIES]
+    if unknown:
+        parser.error(f"unknown strategies {unknown}: use {', '.join(STRATEGIES)}")
     with tempfile.TemporaryDirectory(prefix="steep-bench-wsync-") as tmp:
         work = Path(tmp)
         model = model_dir(args.model, work)
         results = {
-            "model": str(model),
-            "strategies": [
-                asyncio.run(bench_strategy(name, model, args, work))
-                for name in args.strategies.split(",")
-            ],
+            "model": args.model,
+            "threads": args.threads,
+            "updates": args.updates,
+            "strategies": [asyncio.run(bench_strategy(n, model, args, work)) for n in names],
         }
-    text = json.dumps(results, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    for r in results["strategies"]:
-        ups = r["updates"]
-        print(
-            f"{r['strategy']:>12}: bytes {statistics.median(u['weight_sync/bytes'] for u in ups):,.0f}"
-            f"  transfer {statistics.median(u['timing/weight_transfer'] for u in ups):.3f}s"
-            f"  engine stall {statistics.median(u['timing/inference_stall'] for u in ups):.4f}s"
-            f"  client gap {statistics.median(u['client_longest_token_gap_s'] for u in ups):.3f}s"
-            f" (median gap {r['median_token_gap_s']:.3f}s)",
-            file=sys.stderr,
-        )
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"model {args.model}, {args.updates} updates, median (worst) per update; JSON: {out}")
+    print(table(results))
 
 
 if __name__ == "__main__":

@@ -250,18 +250,36 @@ class TorchEngine:
         return self._swapped(started)
 
     def install_weights(
-        self, tensors: dict[str, torch.Tensor], weight_version: str | None
+        self,
+        tensors: dict[str, torch.Tensor],
+        weight_version: str | None,
+        model_path: str | None = None,
     ) -> float:
-        """Copy received tensors into the model between two steps (state-dict names). Seconds.
+        """Swap received tensors into the model between two steps (state-dict names). Seconds.
 
+        A pointer swap (``param.data = staged``; the staging buffers become the model's,
+        so the caller must not reuse them), copying only where dtype or device differ.
         Running requests keep their KV cache (computed by the old weights, as SGLang's
         in-place pause keeps it) and sample their next tokens from the new ones.
         """
         started = time.perf_counter()
-        state = self.model.state_dict()
+        named = dict(self.model.named_parameters(remove_duplicate=False))
+        named.update(self.model.named_buffers(remove_duplicate=False))
         with torch.no_grad():
             for name, tensor in tensors.items():
-                state[name].copy_(tensor)
+                target = named.get(name)
+                if target is None:  # state-dict extra state: no tensor to point elsewhere
+                    self.model.state_dict()[name].copy_(tensor)
+                elif (target.dtype, target.device, target.shape) == (
+                    tensor.dtype,
+                    tensor.device,
+                    tensor.shape,
+                ):
+                    target.data = tensor  # tied aliases share the Parameter: both follow
+                else:
+                    target.copy_(tensor)
+        if model_path is not None:
+            self.model_path = model_path
         self._updated(weight_version)
         return self._swapped(started)
 

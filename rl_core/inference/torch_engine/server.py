@@ -29,6 +29,7 @@ from rl_core.inference.torch_engine.protocol import (
     parse_unload_lora_request,
     parse_update_weights_request,
 )
+from rl_core.inference.torch_engine.weight_load import NotStageable, read_staged
 
 logger = logging.getLogger("rl_core.inference.torch_engine")
 
@@ -183,26 +184,42 @@ async def abort_request(request: web.Request) -> web.Response:
 async def update_weights_from_disk(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     body = parse_update_weights_request(await _json_body(request))
+    staged, new_model = None, None
     try:
-        # Load while still serving; only the swap (between two steps) holds generation.
-        new_model = await asyncio.to_thread(engine.load_weights, body.model_path)
+        # Read while still serving; only the swap (between two steps) holds generation.
+        staged = await asyncio.to_thread(read_staged, body.model_path, engine.model)
+    except NotStageable as why:  # not safetensors by the served names: build a model
+        logger.info("update_weights_from_disk via from_pretrained: %s", why)
+        try:
+            new_model = await asyncio.to_thread(engine.load_weights, body.model_path)
+        except Exception as exc:
+            return _disk_failure(body.model_path, exc)
     except Exception as exc:
-        message = f"Failed to update weights from {body.model_path}: {exc}"
-        logger.warning(message)
-        return web.json_response(
-            {"success": False, "message": message, "num_paused_requests": 0}, status=400
-        )
+        return _disk_failure(body.model_path, exc)
     if body.abort_all_requests:
         await engine.call(lambda: engine.abort(abort_all=True))
     # Swapped between two decode steps: running requests go on under the new weights.
-    swap = await engine.call(
-        lambda: engine.swap_model(new_model, body.model_path, body.weight_version)
-    )
+    if staged is not None:
+        swap = await engine.call(
+            lambda: engine.install_weights(staged, body.weight_version, body.model_path)
+        )
+    else:
+        swap = await engine.call(
+            lambda: engine.swap_model(new_model, body.model_path, body.weight_version)
+        )
     message = "Succeeded to update model weights."
     if body.weight_version is not None:
         message += f" Weight version updated to {body.weight_version}."
     body_out = {"success": True, "message": message, "num_paused_requests": 0}
     return web.json_response({**body_out, "swap_seconds": swap})
+
+
+def _disk_failure(path: str, exc: Exception) -> web.Response:
+    message = f"Failed to update weights from {path}: {exc}"
+    logger.warning(message)
+    return web.json_response(
+        {"success": False, "message": message, "num_paused_requests": 0}, status=400
+    )
 
 
 async def slow_down(request: web.Request) -> web.Response:
