@@ -87,6 +87,7 @@ async def one_run(args: argparse.Namespace, model: Path, max_staleness: int, wor
             "max_steps": args.steps,
             "save_every": 10**6,
             "seed": args.seed,
+            "weight_sync": "disk" if args.weight_sync == "stop-the-world" else args.weight_sync,
         }
     )
     server = TorchEngineServer(
@@ -108,6 +109,8 @@ async def one_run(args: argparse.Namespace, model: Path, max_staleness: int, wor
             reporter=reporter,
             sampling_overrides=pareto_lengths(args.alpha, args.min_tokens, args.max_tokens),
         )
+        if args.weight_sync == "stop-the-world":  # the path before issue #14: abort, reload
+            run.weight_sync.pause_mode = "abort"
         started = time.perf_counter()
         await run.run(args.steps)
         elapsed = time.perf_counter() - started
@@ -139,6 +142,7 @@ async def one_run(args: argparse.Namespace, model: Path, max_staleness: int, wor
         "wait_batch_s": mean("timing/wait_batch"),
         "train_step_s": mean("timing/train_step"),
         "weight_sync_s": mean("timing/weight_sync"),
+        "inference_stall_s": mean("timing/inference_stall"),
         "staleness_mean": mean("staleness/mean"),
         "mixed_version_frac": mean("staleness/mixed_version_frac"),
         "dropped": sum(reporter.series("staleness/dropped")),
@@ -161,6 +165,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", default=None, help="model dir (default: build the tiny model)")
     parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument(
+        "--weight-sync",
+        choices=["distributed", "disk", "stop-the-world"],
+        default="distributed",
+        help="how weights reach the engine (stop-the-world: pause with abort, as before #14)",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     # Lengths, not rewards, are the point here: all-zero advantages are expected.
@@ -178,7 +188,7 @@ def main() -> None:
                 f"{r['trajectories_per_s']:.2f} traj/s (steady {r['steady_trajectories_per_s']:.2f}), "
                 f"{r['trained_tokens_per_s']:.0f} trained tokens/s ({r['response_tokens_mean']:.0f}/traj), "
                 f"step {r['step_s']:.2f}s = wait {r['wait_batch_s']:.2f} + train {r['train_step_s']:.2f} "
-                f"+ sync {r['weight_sync_s']:.2f}; staleness {r['staleness_mean']:.2f}, "
+                f"+ sync {r['weight_sync_s']:.2f} (stall {r['inference_stall_s']:.3f}); staleness {r['staleness_mean']:.2f}, "
                 f"mixed {r['mixed_version_frac']:.2f}, dropped {r['dropped']:.0f}",
                 flush=True,
             )
