@@ -4,13 +4,16 @@ workers (every rank gathers each full tensor, rank 0 broadcasts or writes).
 
 After a real train step and a push, the server's logprobs equal those of the trainer's
 weights (gathered by ``save_weights``, recomputed by a plain forward pass); a second push
-reuses the weight group; a server that dies between updates stops the sync with a
-``WeightSyncError`` within the watchdog time, and the workers still take the next step.
+reuses the weight group; a server that dies, or hangs, between updates stops the sync
+with a ``WeightSyncError`` within the watchdog time, and the workers still take the next
+step (no rank is left in a collective).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -178,5 +181,41 @@ async def test_a_server_dying_between_updates_stops_the_sync_and_the_workers_tra
         )
         assert (Path(saved) / "model.safetensors").exists()
     finally:
+        await sync.aclose(group)
+        await asyncio.to_thread(group.close)
+
+
+async def test_a_hung_server_times_out_the_update_and_takes_weights_from_disk_once_back(
+    torch_engine_factory, tiny_model_dir, reference, tmp_path
+):
+    """A server that stops answering (SIGSTOP) in the middle: rank 0's broadcast times out
+    while rank 1 waits in FSDP's gathers; the push fails within the watchdog's bounds, the
+    workers train on, and once the server is back it takes the next version from disk."""
+    engine = torch_engine_factory(weight_version=0)
+    group = await asyncio.to_thread(_group, tiny_model_dir, 2)
+    reporter = ListReporter()
+    sync = WeightSync(
+        [engine.url], tmp_path / "weights", strategy="distributed", timeout_s=4.0, reporter=reporter
+    )
+    client = InferenceClient(engine.url)
+    pid = engine.process.pid
+    try:
+        await asyncio.to_thread(group.train_step, _batch())
+        await sync.push(group)  # the group is up
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            await asyncio.to_thread(group.train_step, _batch())
+            with pytest.raises(WeightSyncError, match="update_weights_from_disk"):
+                await asyncio.wait_for(sync.push(group), 120)  # the bounds add up to ~45 s
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert [kind for kind, _ in reporter.events] == ["weight_sync"]
+        assert "broadcast of version 2 failed" in reporter.events[0][1]
+        await asyncio.wait_for(asyncio.to_thread(group.train_step, _batch()), 120)
+        assert await asyncio.wait_for(sync.push(group), 120) == 3  # by disk now
+        weights = Path(await asyncio.to_thread(group.save_weights, str(tmp_path / "w3")))
+        await _assert_serves(client, reference, weights, 3, tiny_model_dir)
+    finally:
+        await client.aclose()
         await sync.aclose(group)
         await asyncio.to_thread(group.close)
