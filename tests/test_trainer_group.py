@@ -150,3 +150,8 @@ def test_a_failing_worker_stops_the_whole_group(local_ray, tiny_model_dir, tmp_p
         with pytest.raises(ray.exceptions.RayActorError):
             ray.get(actor.train_step.remote([]), timeout=60)
     group.close()  # idempotent after the failure
+    # Later calls (WeightSync's disk fallback, its group teardown) fail with a clear error.
+    with pytest.raises(RuntimeError, match="trainer workers were stopped"):
+        group.save_weights(str(tmp_path / "w"))
+    with pytest.raises(RuntimeError, match="trainer workers were stopped"):
+        group.destroy_weight_group("steep_weight_sync")

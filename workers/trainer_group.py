@@ -175,6 +175,7 @@ class TrainerGroup:
 
     def _call(self, method: str, *args: Any) -> Any:
         """Call ``method`` on every actor; rank 0's result. The first failure ends them all."""
+        self._rank0(method)
         refs = [getattr(actor, method).remote(*args) for actor in self._actors]
         pending = list(refs)
         try:
@@ -186,6 +187,11 @@ class TrainerGroup:
             self.close(graceful=False)
             raise
         return ray.get(refs[0])
+
+    def _rank0(self, method: str) -> Any:
+        if not self._actors:  # closed, or stopped after a worker failed
+            raise RuntimeError(f"the trainer workers were stopped; cannot call {method}")
+        return self._actors[0]
 
     # The loop's Trainer protocol.
 
@@ -209,13 +215,13 @@ class TrainerGroup:
     # Distributed weight updates: rank 0 hosts the group; every rank gathers for the broadcast.
 
     def weight_group_address(self) -> tuple[str, int]:
-        return tuple(ray.get(self._actors[0].rendezvous.remote()))  # type: ignore[return-value]
+        return tuple(ray.get(self._rank0("rendezvous").rendezvous.remote()))  # type: ignore[return-value]
 
     def weight_metadata(self) -> dict[str, list]:
-        return ray.get(self._actors[0].weight_metadata.remote())
+        return ray.get(self._rank0("weight_metadata").weight_metadata.remote())
 
     def init_weight_group(self, **kwargs: Any) -> None:
-        error = ray.get(self._actors[0].init_weight_group.remote(kwargs))
+        error = ray.get(self._rank0("init_weight_group").init_weight_group.remote(kwargs))
         if error:
             raise RuntimeError(error)
 
@@ -223,7 +229,7 @@ class TrainerGroup:
         return self._call("broadcast_weights", group_name)
 
     def destroy_weight_group(self, group_name: str) -> None:
-        ray.get(self._actors[0].destroy_weight_group.remote(group_name))
+        ray.get(self._rank0("destroy_weight_group").destroy_weight_group.remote(group_name))
 
     def close(self, *, graceful: bool = True) -> None:
         """End the actors (after leaving their process group when ``graceful``) and free the GPUs."""

@@ -10,12 +10,21 @@ own store, so it never touches the process's default group: a trainer under FSDP
 its ``torch.distributed`` group, and neither side calls ``init_process_group``. Every
 operation is bounded by ``timeout_s``: a peer that dies or never comes is an error after
 at most that long (gloo notices a closed connection at once), never a hang.
+
+Members on several nodes: gloo binds each member to one local address and publishes it
+in the store for the others to connect to. By default torch takes the address its
+hostname resolves to, which on many hosts is a loopback one (``127.0.1.1``) that no
+other node can reach; so each member binds the address its node uses on the route to
+``master_address`` (rank 0's node IP) instead, unless ``GLOO_SOCKET_IFNAME`` names the
+interfaces to use (as for torch's own groups).
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
+import os
+import socket
 from typing import Any
 
 import torch
@@ -40,6 +49,34 @@ def parse_dtype(name: str) -> torch.dtype:
     if not isinstance(value, torch.dtype):
         raise ValueError(f"unknown dtype {name!r}")
     return value
+
+
+def local_address_towards(host: str) -> str:
+    """This node's address on the route to ``host`` ("" when there is none to find).
+
+    A UDP ``connect`` only picks the route; nothing is sent."""
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, 1, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(address)
+            return str(probe.getsockname()[0])
+    except OSError:
+        return ""
+
+
+def _gloo_options(master_address: str, timeout: datetime.timedelta) -> Any:
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    options._timeout = timeout
+    interfaces = [i for i in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if i]
+    if interfaces:
+        devices = [dist.ProcessGroupGloo.create_device(interface=i) for i in interfaces]
+    else:  # an empty hostname: torch's default (the hostname's address)
+        devices = [
+            dist.ProcessGroupGloo.create_device(hostname=local_address_towards(master_address))
+        ]
+    options._devices = devices
+    options._threads = 2 * len(devices)
+    return options
 
 
 class WeightGroup:
@@ -78,16 +115,17 @@ class WeightGroup:
             store = dist.PrefixStore(group_name, self._store)
             store = dist.PrefixStore(f"{group_name}/", store)
             store = dist.PrefixStore(f"{self.device.type}/", store)
-            self._pg: Any = self._make_pg(store)
+            self._pg: Any = self._make_pg(store, master_address)
         except Exception as exc:
             raise WeightGroupError(
                 f"could not join weight group {group_name!r} at {master_address}:{master_port} "
                 f"as rank {rank} of {world_size}: {exc}"
             ) from exc
 
-    def _make_pg(self, store: Any) -> Any:
+    def _make_pg(self, store: Any, master_address: str) -> Any:
         if self.backend == "gloo":
-            return dist.ProcessGroupGloo(store, self.rank, self.world_size, self.timeout)
+            options = _gloo_options(master_address, self.timeout)
+            return dist.ProcessGroupGloo(store, self.rank, self.world_size, options)
         if self.backend == "nccl":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = self.timeout

@@ -248,3 +248,35 @@ async def test_a_dead_server_is_reported_and_stops_the_sync_with_a_clear_error(
         assert [kind for kind, _ in reporter.events] == ["weight_sync"]
     finally:
         await sync.aclose()
+
+
+@pytest.mark.parametrize("ifname", [None, "lo"])
+def test_a_weight_group_binds_the_address_on_the_route_to_its_master(monkeypatch, ifname):
+    import threading
+
+    from rl_core.inference.weight_group import WeightGroup, local_address_towards
+
+    assert local_address_towards("127.0.0.1") == "127.0.0.1"
+    assert local_address_towards("no-such-host.invalid") == ""  # torch's default then
+    if ifname is None:
+        monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    else:  # the operator's interfaces win, as for torch's own groups
+        monkeypatch.setenv("GLOO_SOCKET_IFNAME", ifname)
+    port, groups, tensors = free_port(), {}, {0: torch.arange(6.0), 1: torch.zeros(6)}
+
+    def member(rank: int) -> None:
+        groups[rank] = WeightGroup(
+            master_address="127.0.0.1", master_port=port, rank=rank, world_size=2, timeout_s=20
+        )
+        groups[rank].broadcast(tensors[rank])
+
+    threads = [threading.Thread(target=member, args=(rank,)) for rank in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    try:
+        assert torch.equal(tensors[1], torch.arange(6.0))
+    finally:
+        for group in groups.values():
+            group.close()
