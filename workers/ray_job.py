@@ -88,6 +88,7 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
 
     api = InternalAPI(web_url, run_id, secret)
     trainer = None
+    weight_sync: Any = None
     replicas: list = []
     urls: list[str] = []
     try:
@@ -146,7 +147,7 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
         reporter = WebReporter(api)
         source = WebSource(api)
         # LoRA: each version is loaded as a new adapter, no pause (rl_core/adapter_sync.py).
-        weight_sync: Any = (
+        weight_sync = (
             AdapterSync(urls, data_dir / "adapters", prefix=run_id)
             if config.lora_rank
             else WeightSync(urls, data_dir / "weights", strategy=config.weight_sync)
@@ -227,6 +228,14 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
             logger.exception("could not report the failure")
         raise
     finally:
+        if weight_sync is not None:  # leave the broadcast group on both sides, close clients
+            try:
+                if isinstance(weight_sync, WeightSync):
+                    await weight_sync.aclose(trainer)
+                else:
+                    await weight_sync.aclose()
+            except Exception:
+                logger.exception("could not close the weight sync")
         for url in urls:
             try:
                 await api.unregister_server(url)
