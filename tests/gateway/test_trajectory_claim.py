@@ -92,3 +92,23 @@ def test_claim_takes_ready_sessions_of_its_run_oldest_first(run_and_agent, proje
     assert [s.pk for s in trajectories_claim(run=run, limit=10)] == [s.pk for s in newest]
     assert trajectories_claim(run=run, limit=10) == []
     assert Session.objects.filter(run=other_run, trajectory="ready").count() == 2
+
+
+@pytest.mark.parametrize("status", ["completed", "failed", "stopped", "interrupted"])
+def test_a_run_that_has_ended_gives_no_claims_and_its_sessions_stay_ready(run_and_agent, status):
+    # A trainer's long-poll claim still waiting when the run ends must not take a session
+    # ended after the run's end released its claims: it would stay claimed for good.
+    run, agent = run_and_agent
+    ready = _sessions(run, agent, 2)
+    type(run).objects.filter(pk=run.pk).update(status=status)
+
+    assert trajectories_claim(run=run, limit=10) == []
+    assert {s.trajectory for s in Session.objects.filter(pk__in=[s.pk for s in ready])} == {"ready"}
+
+
+def test_a_stopping_run_still_claims_for_the_step_it_finishes(run_and_agent):
+    run, agent = run_and_agent
+    ready = _sessions(run, agent, 2)
+    type(run).objects.filter(pk=run.pk).update(status="stopping")
+
+    assert [s.pk for s in trajectories_claim(run=run, limit=10)] == [s.pk for s in ready]

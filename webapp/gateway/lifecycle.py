@@ -56,6 +56,9 @@ TRAJECTORY_MOVES: dict[str, set[str]] = {
     T.DROPPED: set(),
 }
 
+# A run in one of these has released its claims for good (``webapp.runs.jobs.job_report_status``).
+UNCLAIMABLE_RUN_STATUSES = ("completed", "failed", "stopped", "interrupted")
+
 _SESSIONS, _INTERACTIONS = Session._meta.db_table, Interaction._meta.db_table
 
 
@@ -274,8 +277,19 @@ def claim(cursor, *, run_id, limit: int) -> list[uuid.UUID]:
     """Claim up to ``limit`` ready sessions of the run for the trainer, oldest first.
 
     Concurrent claimers never get the same session: PostgreSQL skips rows another
-    claimer has locked; SQLite serialises write transactions.
+    claimer has locked; SQLite serialises write transactions. A run that has ended
+    (completed, failed, stopped, interrupted) gives nothing: its end released what was
+    claimed, and a claim still waiting (a long-poll) must not take a session that ends after
+    it. The run's row is locked first, so the end's status change and release either come
+    before this claim (and it sees the status) or after it (and release what it took).
     """
+    cursor.execute(
+        f"SELECT status FROM {admission.RUN_TABLE} WHERE id = %s{sql.for_update(cursor)}",
+        [admission.run_pk(cursor, run_id)],
+    )
+    row = cursor.fetchone()
+    if row is None or row[0] in UNCLAIMABLE_RUN_STATUSES:
+        return []
     cursor.execute(
         f"SELECT id FROM {_SESSIONS} WHERE run_id = %s AND trajectory = %s"
         f" ORDER BY ended_at, created_at LIMIT %s{sql.for_update(cursor, skip_locked=True)}",
