@@ -142,6 +142,7 @@ def test_run_page_leads_with_progress_and_lays_charts_out_in_panels(
         "reward",
         "policy / ppo",
         "staleness",
+        "weight sync",  # timing/weight_sync: what each update moved and stalled (issue #14)
         "throughput / system",
         "other",
     ]
