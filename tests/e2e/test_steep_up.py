@@ -16,6 +16,7 @@ import shutil
 import signal
 import sqlite3
 import subprocess
+import time
 import urllib.request
 from functools import partial
 from pathlib import Path
@@ -143,6 +144,18 @@ def steeps_processes(steep: Steep) -> dict[int, int | None]:
     return ours
 
 
+def _still_running(pids: dict[int, int | None], grace_s: float = 5.0) -> set[int]:
+    """Which of ``pids`` (PID → start time) still run after ``grace_s``: a process SIGKILLed
+    by the stop is gone at once on a quiet machine, but under load its exit (and its
+    reaping) can trail ``./steep up``'s own exit by a moment."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        left = {pid for pid, start in pids.items() if start is not None and started(pid) == start}
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
 def test_five_clean_stops_leave_nothing_behind_and_the_run_resumes_each_time(tmp_path):
     steep = Steep(tmp_path / "data", free_port(), tmp_path)
     # Someone else's work, named like Steep's: what stops by name (`ray stop --force`,
@@ -183,14 +196,13 @@ def test_five_clean_stops_leave_nothing_behind_and_the_run_resumes_each_time(tmp
                 pytest.fail(f"./steep up still running 10 s after Ctrl-C:\n{steep.output()}")
 
             assert "Traceback" not in steep.output(), steep.output()
-            left = {
-                pid for pid, start in now.items() if start is not None and started(pid) == start
-            }
+            left = _still_running(now)
             assert left == set(), {pid: processes().get(pid) for pid in left}
             assert steeps_processes(steep) == {}
             statuses = dict(steep.db("SELECT id, status FROM runs_run"))
             assert statuses[run_id] == "interrupted", statuses
-            assert "failed" not in statuses.values(), statuses
+            failed = steep.db("SELECT name, error FROM runs_run WHERE status = 'failed'")
+            assert failed == [], (cycle, failed)
             assert steep.db("SELECT kind FROM runs_runevent WHERE kind = 'status:failed'") == []
             assert steep.db("SELECT max(crash_restarts) FROM runs_run") == [(0,)]
             checkpoint = _checkpoints(steep, run_id)
