@@ -108,6 +108,8 @@ class ClusterSimResult:
     sync_seconds: float  # mean simulated time of one weight sync (the loop's phase)
     inference_paused_s: float  # total time servers held requests paused for updates
     ideal_trajectories_per_s: float  # the analytic bound: perfect overlap, no tail waiting
+    ideal_tokens_per_s: float = 0.0  # the same bound in trained response tokens/s
+    mean_batch: float = 0.0  # requests in a server's running batch, time-weighted over decoding
     step_times: list[float] = field(default_factory=list)
 
     @property
@@ -262,6 +264,8 @@ async def _simulate(cfg: ClusterSimConfig, work: str) -> ClusterSimResult:
         sync_seconds=sync_s,
         inference_paused_s=sum(s.stats.paused_s for s in servers),
         ideal_trajectories_per_s=ideal_trajectories_per_s(cfg, sync_s=sync_s),
+        ideal_tokens_per_s=ideal_trajectories_per_s(cfg, sync_s=sync_s) * cfg.mean_length(),
+        mean_batch=sum(s.stats.batch_s for s in servers) / busy if busy else 0.0,
         step_times=list(reporter.times),
     )
 

@@ -67,6 +67,7 @@ class ServerStats:
     tokens: int = 0  # output tokens generated
     requests: int = 0
     max_running: int = 0
+    batch_s: float = 0.0  # running requests x seconds decoding: / busy_s = the mean batch
 
 
 class SimServer:
@@ -326,6 +327,7 @@ class SimServer:
                 await asyncio.sleep(max(0.0, boundary - self._loop_time()))
                 done += 1
             self.stats.busy_s += done * step
+            self.stats.batch_s += done * step * len(running)
             self.stats.tokens += done * g * len(running)
             still: list[_Request] = []
             for request in running:

@@ -131,3 +131,23 @@ def test_async_beats_sync_on_the_long_tailed_distribution_by_a_wide_margin(small
     assert async_.trajectories_per_s > 2.0 * sync.trajectories_per_s
     assert async_.trained_tokens_per_s > 1.5 * sync.trained_tokens_per_s
     assert async_.inference_idle < sync.inference_idle
+
+
+def test_online_agents_beyond_the_staleness_budget_are_refused_and_the_bound_holds():
+    from rl_core.sim.agents import AgentSimConfig, simulate_agents
+
+    cluster = ClusterSimConfig(
+        servers=2,
+        trainer_gpus=1,
+        batch_size=8,
+        max_staleness=1,
+        steps=6,
+        min_tokens=64,
+        max_tokens=1024,
+    )
+    result = simulate_agents(cluster, AgentSimConfig(agents=40, think_s=1.0))
+    assert result.steps == 6
+    # 40 agents, at most (1 + version + 1) x 8 sessions admitted: most must wait.
+    assert result.refusals > 0 and 0 < result.backoff_fraction < 1
+    assert result.max_staleness_seen <= 1
+    assert result.sessions_trained == 6 * 8
