@@ -29,7 +29,8 @@ from rl_core.config import RunConfig
 from rl_core.inference.client import IN_PROCESS_TRANSPORTS, InferenceClient
 from rl_core.loop import QueueSource, TrainingLoop
 from rl_core.sim.clock import run_simulated
-from rl_core.sim.cluster import ClusterSimConfig, _SimTimes
+from rl_core.sim.cluster import ClusterSimConfig, SimTimesReporter
+from rl_core.sim.cost import ENGINE_PRESETS
 from rl_core.sim.server import SimServer
 from rl_core.sim.trainer import SimTrainer
 from rl_core.staleness import StalenessController
@@ -71,8 +72,6 @@ class AgentSimResult:
 
 
 async def _agents(cluster: ClusterSimConfig, agents: AgentSimConfig, work: str) -> AgentSimResult:
-    from rl_core.sim.cost import ENGINE_PRESETS
-
     engine, trainer_cost, g = (
         ENGINE_PRESETS[cluster.model],
         cluster.trainer_cost(),
@@ -100,7 +99,7 @@ async def _agents(cluster: ClusterSimConfig, agents: AgentSimConfig, work: str) 
     controller = StalenessController(cfg.max_staleness, cfg.batch_size, cfg.max_concurrent_rollouts)
     source = QueueSource()
     trainer = SimTrainer(trainer_cost, tokens_per_id=g)
-    reporter = _SimTimes()
+    reporter = SimTimesReporter()
     sync = WeightSync(urls, f"{work}/weights", strategy="distributed")
     loop = TrainingLoop(cfg, trainer, source, sync, reporter, controller)
     clients = [InferenceClient(url) for url in urls]

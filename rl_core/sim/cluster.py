@@ -162,7 +162,7 @@ class _TimedSync:
         await self.inner.aclose()
 
 
-class _SimTimes(ListReporter):
+class SimTimesReporter(ListReporter):
     """Remembers the simulated time of each step's report."""
 
     def __init__(self) -> None:
@@ -221,7 +221,7 @@ async def _simulate(cfg: ClusterSimConfig, work: str) -> ClusterSimResult:
         }
     )
     trainer = SimTrainer(trainer_cost, tokens_per_id=g)
-    reporter = _SimTimes()
+    reporter = SimTimesReporter()
     try:
         run = LocalRun(
             run_cfg,
