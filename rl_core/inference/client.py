@@ -60,6 +60,11 @@ __all__ = [
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default when sampling_params has none
 
+# Servers that answer inside this process, by base URL (``rl_core.sim``'s stand-ins): a
+# client of one talks to it through this transport instead of the network, so the code
+# above the client (rollout driver, weight sync) runs unchanged against a simulated cluster.
+IN_PROCESS_TRANSPORTS: dict[str, httpx.AsyncBaseTransport] = {}
+
 
 @dataclass
 class _Progress:
@@ -172,6 +177,7 @@ class InferenceClient(UpdateCalls):
         self._http = http_client or httpx.AsyncClient(
             timeout=timeout if timeout is not None else httpx.Timeout(10.0, read=None),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+            transport=IN_PROCESS_TRANSPORTS.get(self.base_url),
         )
         self._control_timeout = httpx.Timeout(30.0, read=600.0)  # weight updates can take minutes
 

@@ -1,0 +1,276 @@
+"""A simulated cluster run: Steep's own dataset-mode run (``rl_core.rollout.LocalRun``: rollout
+driver, staleness controller, queue, ``TrainingLoop``, weight sync) against ``servers``
+``SimServer`` stand-ins and a ``SimTrainer`` of ``trainer_gpus`` GPUs, in simulated time.
+
+Nothing of the loop is re-implemented: the stand-ins are reached through
+``rl_core.inference.client.IN_PROCESS_TRANSPORTS`` (the driver's and the weight sync's
+``InferenceClient`` go through an in-process ASGI transport instead of sockets), and the
+whole run executes on ``SimEventLoop``, whose clock jumps to the next timer. A run of hours
+of cluster time takes seconds of wall time, and its results (simulated seconds) do not
+depend on how loaded the machine running it is.
+
+Response lengths (``lengths``): ``longtail`` draws each answer's length from a Pareto
+distribution (tail index 1, from ``min_tokens``, capped at ``max_tokens``): most answers
+short, a few at the cap, the shape of reasoning-model lengths behind AReaL's argument;
+``uniform`` draws from a uniform distribution with the same mean. Each answer's length is
+a function of its ``sampling_seed`` (``rl_core.rollout.member_seed``), so the synchronous
+and asynchronous runs of one seed see the same answers in the same order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any, cast
+
+import httpx
+
+from rl_core.adapter_sync import AdapterSync
+from rl_core.chat import ChatTokenizer
+from rl_core.config import RunConfig
+from rl_core.inference.client import IN_PROCESS_TRANSPORTS
+from rl_core.loop import ListReporter
+from rl_core.rollout import LocalRun
+from rl_core.sim.clock import run_simulated
+from rl_core.sim.cost import ENGINE_PRESETS, TrainerCost
+from rl_core.sim.server import SimServer
+from rl_core.sim.trainer import SimTrainer
+
+LENGTHS = ("longtail", "uniform")
+SYNCS = ("distributed", "disk", "lora")
+
+
+@dataclass
+class ClusterSimConfig:
+    """One simulated run. Token counts are real tokens; ``tokens_per_id`` only coarsens the wire."""
+
+    servers: int = 4  # inference servers (one GPU each)
+    trainer_gpus: int = 2  # trainer stand-ins (data-parallel GPUs)
+    model: str = "1.5b"  # an ENGINE_PRESETS key
+    max_staleness: int = 4  # 0 = synchronous RL
+    batch_size: int = 64  # trajectories per training step
+    group_size: int = 8  # answers per prompt
+    steps: int = 20  # training steps to run
+    lengths: str = "longtail"  # "longtail" | "uniform"
+    min_tokens: int = 512  # the shortest answer
+    max_tokens: int = 16_384  # max_new_tokens: the longest answer
+    prompt_tokens: int = 256  # every prompt's length
+    tokens_per_id: int = 16  # real tokens per simulated output id
+    weight_sync: str = "distributed"  # "distributed" | "disk" | "lora"
+    mfu: float = 0.4  # the trainer's achieved fraction of peak FLOP/s
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.lengths not in LENGTHS:
+            raise ValueError(f"lengths {self.lengths!r}: use one of {LENGTHS}")
+        if self.weight_sync not in SYNCS:
+            raise ValueError(f"weight_sync {self.weight_sync!r}: use one of {SYNCS}")
+        if self.model not in ENGINE_PRESETS:
+            raise ValueError(f"model {self.model!r}: use one of {sorted(ENGINE_PRESETS)}")
+
+    def mean_length(self) -> float:
+        """The mean answer length of the long-tailed distribution (both have it)."""
+        lo, hi = self.min_tokens, self.max_tokens
+        return lo * (1.0 + math.log(hi / lo))  # Pareto(1) from lo, capped at hi
+
+    def length_fn(self) -> Callable[[int], int]:
+        """Seed → answer length in real tokens."""
+        lo, hi, mean = self.min_tokens, self.max_tokens, self.mean_length()
+        if self.lengths == "longtail":
+            return lambda seed: min(hi, int(lo / (1.0 - random.Random(seed).random())))
+        top = 2.0 * mean - lo
+        return lambda seed: int(random.Random(seed).uniform(lo, top))
+
+    def trainer_cost(self) -> TrainerCost:
+        return TrainerCost(
+            params=ENGINE_PRESETS[self.model].params, gpus=self.trainer_gpus, mfu=self.mfu
+        )
+
+
+@dataclass
+class ClusterSimResult:
+    """What a simulated run measured (times are simulated seconds)."""
+
+    config: dict[str, Any]
+    sim_seconds: float  # from the start to the last step's report
+    steps: int
+    trajectories_per_s: float
+    trained_tokens_per_s: float  # real response tokens trained per second
+    inference_idle: float  # fraction of the servers' GPU time not decoding or prefilling
+    trainer_idle: float  # fraction of the trainer's GPU time not in train_step
+    staleness: dict[int, int]  # real trained tokens by versions behind
+    max_staleness_seen: int
+    dropped: int  # trajectories dropped as too stale
+    sync_seconds: float  # mean simulated time of one weight sync (the loop's phase)
+    inference_paused_s: float  # total time servers held requests paused for updates
+    ideal_trajectories_per_s: float  # the analytic bound: perfect overlap, no tail waiting
+    ideal_tokens_per_s: float = 0.0  # the same bound in trained response tokens/s
+    mean_batch: float = 0.0  # requests in a server's running batch, time-weighted over decoding
+    step_times: list[float] = field(default_factory=list)
+
+    @property
+    def staleness_ok(self) -> bool:
+        return self.max_staleness_seen <= int(self.config["max_staleness"])
+
+
+class _StubTokenizer:
+    """What the rollout driver needs of a ChatTokenizer: ``prompt_ids`` ids per prompt."""
+
+    def __init__(self, prompt_ids: int):
+        self.prompt_ids = prompt_ids
+        self.eos_token_ids = [2]
+
+    def render(self, messages: list[dict]) -> str:
+        return str(messages[-1]["content"])
+
+    def encode(self, text: str) -> list[int]:
+        return [7] * self.prompt_ids
+
+    def decode(self, ids: list[int], **_: Any) -> str:
+        return ""
+
+
+def _reward(prompt: str, completion: str, answer: Any, metadata: dict) -> float:
+    return float(metadata.get("row_index", 0) % 2)  # irrelevant to timing
+
+
+class _TimedSync:
+    """Wraps a weight sync to time its ``push`` in simulated seconds (the loop's own timer is wall time)."""
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+        self.reporter = inner.reporter
+        self.seconds: list[float] = []
+
+    @property
+    def last_timing(self) -> dict[str, float]:
+        return self.inner.last_timing
+
+    async def push(self, trainer: Any) -> int:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        self.inner.reporter = self.reporter
+        version = await self.inner.push(trainer)
+        self.seconds.append(loop.time() - started)
+        return int(version)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+class SimTimesReporter(ListReporter):
+    """Remembers the simulated time of each step's report."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.times: list[float] = []
+
+    async def metrics(self, step: int, version: int, values: dict[str, float]) -> None:
+        self.times.append(asyncio.get_running_loop().time())
+        await super().metrics(step, version, values)
+
+
+def ideal_trajectories_per_s(cfg: ClusterSimConfig, *, sync_s: float = 0.0) -> float:
+    """The analytic bound: generation and training overlap perfectly and no server waits
+    for a tail. Every server decodes the most requests the staleness rule lets be in flight
+    (``(max_staleness + 1) * batch_size`` over the servers, at most SGLang's
+    ``max_running_requests``) all the time, so a step takes the longer of generating a
+    batch at that rate and training it (plus the loop's weight sync)."""
+    engine = ENGINE_PRESETS[cfg.model]
+    mean = cfg.mean_length()
+    context = cfg.prompt_tokens + mean / 2
+    batch = min(
+        engine.max_running_requests,
+        max(1, math.ceil((cfg.max_staleness + 1) * cfg.batch_size / cfg.servers)),
+    )
+    per_server = batch / engine.step_seconds(batch, int(batch * context))
+    gen_s = cfg.batch_size * mean / (cfg.servers * per_server)
+    prefill_s = cfg.batch_size * cfg.prompt_tokens * engine.prefill_per_token_s / cfg.servers
+    train_s = cfg.trainer_cost().step_seconds(int(cfg.batch_size * (cfg.prompt_tokens + mean)))
+    return cfg.batch_size / max(gen_s + prefill_s, train_s + sync_s)
+
+
+async def _simulate(cfg: ClusterSimConfig, work: str) -> ClusterSimResult:
+    engine, trainer_cost = ENGINE_PRESETS[cfg.model], cfg.trainer_cost()
+    g = cfg.tokens_per_id
+    lengths = cfg.length_fn()
+    servers = [
+        SimServer(engine, trainer_cost, lengths, tokens_per_id=g) for _ in range(cfg.servers)
+    ]
+    urls = [f"http://sim-{i}.invalid:30000" for i in range(cfg.servers)]
+    for url, server in zip(urls, servers, strict=True):
+        IN_PROCESS_TRANSPORTS[url] = httpx.ASGITransport(app=cast(Any, server))
+    lora = cfg.weight_sync == "lora"
+    run_cfg = RunConfig.from_dict(
+        {
+            "base_model": f"sim-{cfg.model}",
+            "reward": {"type": "exact_match"},  # replaced by _reward: only timing matters
+            "batch_size": cfg.batch_size,
+            "group_size": cfg.group_size,
+            "max_new_tokens": -(-cfg.max_tokens // g),
+            "max_staleness": cfg.max_staleness,
+            "max_steps": cfg.steps,
+            "save_every": 10**6,
+            "seed": cfg.seed,
+            "weight_sync": "disk" if cfg.weight_sync == "disk" else "distributed",
+            **({"lora_rank": 32} if lora else {}),
+        }
+    )
+    trainer = SimTrainer(trainer_cost, tokens_per_id=g)
+    reporter = SimTimesReporter()
+    try:
+        run = LocalRun(
+            run_cfg,
+            trainer=trainer,
+            urls=urls,
+            rows=[{"prompt": f"problem {i}", "answer": "0"} for i in range(1024)],
+            weights_dir=f"{work}/weights",
+            reporter=reporter,
+            tokenizer=cast(ChatTokenizer, _StubTokenizer(-(-cfg.prompt_tokens // g))),
+            reward_fn=_reward,
+        )
+        inner: Any = run.weight_sync
+        if lora:  # what the Ray job does for a LoRA run: adapters, no pause
+            inner = AdapterSync(urls, f"{work}/adapters", "sim")
+            run.driver.adapter_prefix = "sim"
+        timed = _TimedSync(inner)
+        run.loop.weight_sync = cast(Any, timed)
+        await run.run(cfg.steps)
+        if lora:
+            await inner.aclose()
+    finally:
+        for url, server in zip(urls, servers, strict=True):
+            IN_PROCESS_TRANSPORTS.pop(url, None)
+            await server.aclose()
+    end = reporter.times[-1] if reporter.times else asyncio.get_running_loop().time()
+    steps = len(reporter.times)
+    busy = sum(s.stats.busy_s for s in servers)
+    sync_s = sum(timed.seconds) / len(timed.seconds) if timed.seconds else 0.0
+    return ClusterSimResult(
+        config=asdict(cfg),
+        sim_seconds=end,
+        steps=steps,
+        trajectories_per_s=trainer.trained_trajectories / end,
+        trained_tokens_per_s=trainer.trained_tokens / end,
+        inference_idle=max(0.0, 1.0 - busy / (cfg.servers * end)),
+        trainer_idle=max(0.0, 1.0 - trainer.busy_s / end),
+        staleness=dict(sorted(trainer.staleness.items())),
+        max_staleness_seen=max(trainer.staleness, default=0),
+        dropped=int(sum(reporter.series("staleness/dropped"))),
+        sync_seconds=sync_s,
+        inference_paused_s=sum(s.stats.paused_s for s in servers),
+        ideal_trajectories_per_s=ideal_trajectories_per_s(cfg, sync_s=sync_s),
+        ideal_tokens_per_s=ideal_trajectories_per_s(cfg, sync_s=sync_s) * cfg.mean_length(),
+        mean_batch=sum(s.stats.batch_s for s in servers) / busy if busy else 0.0,
+        step_times=list(reporter.times),
+    )
+
+
+def simulate(cfg: ClusterSimConfig) -> ClusterSimResult:
+    """Run ``cfg`` on a fresh ``SimEventLoop`` (seconds of wall time) and measure it."""
+    with tempfile.TemporaryDirectory(prefix="steep-sim-") as work:
+        return run_simulated(_simulate(cfg, work))
