@@ -33,7 +33,7 @@ from webapp.gateway.chat_request import (
 from webapp.gateway.errors import GatewayError, bad_request
 from webapp.gateway.inference import generate
 from webapp.gateway.lane import LaneError, lane
-from webapp.gateway.prompts import build_prompt, continued_choice
+from webapp.gateway.prompts import Prompt, continued_choice, extend_prompt, fresh_prompt
 
 
 @dataclass
@@ -151,7 +151,7 @@ async def _generate_and_record(
     run, previous = turn.run, turn.previous
     tok = await _tokenizer(run.base_model)
     try:
-        prompt = build_prompt(tok, chat.messages, chat.rendered_tools, previous)
+        prompt, branched = await _prompt(tok, chat, turn, db)
     except ChatTemplateError as exc:
         raise bad_request(str(exc), param="messages") from None
     max_new = min(chat.max_tokens, settings.GATEWAY_MAX_NEW_TOKENS)
@@ -177,7 +177,9 @@ async def _generate_and_record(
         chat, tok, run.base_model, interaction_id, prompt.input_ids, generation.results
     )
     chosen = (
-        prompt.chosen
+        None  # the choice continued is the branch parent's, not the last turn's
+        if branched
+        else prompt.chosen
         if prompt.chosen is not None
         else (continued_choice(chat.messages, previous) if previous else None)
     )
@@ -199,6 +201,34 @@ async def _generate_and_record(
         )
     )
     return _respond(chat, recorded)
+
+
+async def _prompt(
+    tok: ChatTokenizer, chat: ChatRequest, turn: turns.Turn, db
+) -> tuple[Prompt, bool]:
+    """The prompt's ids: the last turn's exact tokens continued, or, for a request that does not
+    continue the last turn, those of the earlier turn it branches from (``webapp.gateway.branches``:
+    a parallel sub-agent, a fork), or a fresh render. ``True`` when a branch parent was used.
+    The common path, continuing the last turn, costs no extra statement."""
+    last, tools = turn.previous, chat.rendered_tools
+    if last is not None:
+        extended = extend_prompt(tok, chat.messages, tools, last)
+        if extended is not None:
+            return extended, False
+        if turn.caller.session_turns > 1:
+            parent = await db(
+                turns.branch_parent(
+                    session_id=turn.session_id,
+                    last_turn=turn.caller.session_turns - 1,
+                    messages=chat.messages,
+                    tools=tools,
+                ),
+                durable=False,
+            )
+            extended = extend_prompt(tok, chat.messages, tools, parent) if parent else None
+            if extended is not None:
+                return extended, True
+    return fresh_prompt(tok, chat.messages, tools), False
 
 
 def _is_retry(retry_count: str) -> bool:

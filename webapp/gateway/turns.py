@@ -36,7 +36,7 @@ from webapp.agents.models import Agent
 from webapp.gateway import admission, lifecycle, sql
 from webapp.gateway.errors import GatewayError
 from webapp.gateway.models import Interaction, Session
-from webapp.gateway.prompts import PreviousTurn
+from webapp.gateway.prompts import PreviousTurn, continued_choice
 from webapp.runs.models import Run
 
 REPLAY_WINDOW = timedelta(minutes=10)  # how long a one-turn completion answers an SDK retry
@@ -323,6 +323,37 @@ def _last_turn(row: tuple | None) -> tuple[PreviousTurn | None, dict | None]:
         ],
     )
     return previous, {"request_hash": row[0], "response": response}
+
+
+BRANCH_CANDIDATES = 16  # how many earlier turns a branch's parent is looked for among
+
+
+def branch_parent(*, session_id, last_turn: int, messages: list, tools):
+    """The operation that finds the turn a request continues when it does not continue the
+    session's last turn (``last_turn``): a parallel sub-agent's own conversation, or a fork.
+
+    Only this rarer path pays for the extra statement; among the ``BRANCH_CANDIDATES`` turns
+    before the last, the one whose conversation (messages and an answer) ``messages`` extend
+    the furthest, the latest of equals. Returns a ``PreviousTurn`` or None.
+    """
+
+    def operation(cursor) -> PreviousTurn | None:
+        cursor.execute(
+            f"SELECT request_hash, messages, tools, input_ids, outputs, response FROM {_INTERACTIONS}"
+            " WHERE session_id = %s AND turn < %s ORDER BY turn DESC LIMIT %s",
+            [sql.pk(cursor, Session, session_id), last_turn, BRANCH_CANDIDATES],
+        )
+        best: PreviousTurn | None = None
+        for row in cursor.fetchall():
+            candidate, _ = _last_turn(row)
+            if candidate is None or (tools or None) != (candidate.tools or None):
+                continue
+            longer = best is None or len(candidate.messages) > len(best.messages)
+            if longer and continued_choice(messages, candidate) is not None:
+                best = candidate
+        return best
+
+    return operation
 
 
 def _recent_replay(cursor, agent_id, fingerprint: str) -> dict | None:
