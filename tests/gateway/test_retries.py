@@ -154,3 +154,16 @@ def test_the_same_body_without_a_retry_mark_is_sampled_again_even_while_the_firs
     (first, second), generations = _first_and_retry(gw, engine, gw.openai(), {})
     assert second.id != first.id and generations == 2
     assert Interaction.objects.count() == 2
+
+
+@pytest.mark.parametrize("in_session", [False, True])
+def test_an_sdk_that_times_out_and_retries_by_itself_records_one_turn(gw, engine, in_session):
+    # The SDK's own retries: each attempt gives up after 0.5 s while the engine needs longer;
+    # the gateway goes on generating the first attempt and answers the retries with it.
+    key = gw.start_session()[1] if in_session else None
+    client = gw.openai(key, timeout=0.5, max_retries=8)
+    with _slow(engine):
+        answer = client.chat.completions.create(model=gw.model, messages=HI, max_tokens=6, seed=5)
+    [turn] = Interaction.objects.all()
+    assert answer.id == turn.id
+    assert answer.choices[0].message.content == turn.response["choices"][0]["message"]["content"]
