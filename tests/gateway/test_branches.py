@@ -17,10 +17,10 @@ HI = [{"role": "user", "content": "Hi"}]
 class Agent:
     """One conversation (the main agent or a sub-agent) over a shared session key."""
 
-    def __init__(self, client, model: str, system: str, task: str):
+    def __init__(self, client, model: str, system: str, task: str, history: list | None = None):
         self.client, self.model = client, model
         self.messages: list = [
-            {"role": "system", "content": system},
+            *(history or [{"role": "system", "content": system}]),
             {"role": "user", "content": task},
         ]
         self.ids: list[str] = []
@@ -73,10 +73,8 @@ def test_two_continuations_of_one_turn_train_the_shared_turn_once(gw):
     root = Agent(client, gw.model, "You plan.", "Split the task.")
     root.turn()
     shared = list(root.messages[:-1])  # the conversation so far, answer included
-    left = Agent(client, gw.model, "", "")
-    right = Agent(client, gw.model, "", "")
-    left.messages = [*shared, {"role": "user", "content": "Now part A."}]
-    right.messages = [*shared, {"role": "user", "content": "Now part B."}]
+    left = Agent(client, gw.model, "", "Now part A.", history=shared)
+    right = Agent(client, gw.model, "", "Now part B.", history=shared)
     left.turn()
     right.turn()
     left.turn()
