@@ -190,13 +190,13 @@ async def _generate_and_record(
     response, outputs = _completion(
         chat, tok, run.base_model, interaction_id, prompt.input_ids, generation.results
     )
-    chosen = (
-        None  # the choice continued is the branch parent's, not the last turn's
-        if branched
-        else prompt.chosen
-        if prompt.chosen is not None
-        else (continued_choice(chat.messages, previous) if previous else None)
-    )
+    # Which of the last turn's choices the conversation continued with; a branch continues
+    # its parent's, which trajectory building reads off the messages.
+    chosen = None
+    if not branched:
+        chosen = prompt.chosen
+        if chosen is None and previous is not None:
+            chosen = continued_choice(chat.messages, previous)
     recorded = await db(
         turns.record(
             turn=turn,
