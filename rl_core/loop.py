@@ -3,7 +3,8 @@
 One step of ``TrainingLoop.run`` (each phase timed as ``timing/<phase>``)::
 
     wait_batch   → source.next_batch(batch_size)        (rollouts keep running meanwhile)
-    filter_stale → drop trajectories older than max_staleness; controller.on_dropped
+    filter_stale → mask tokens older than max_staleness out of the loss; drop the
+                   trajectories left with none to train; controller.on_dropped
     train_step   → trainer.train_step(batch) in a thread, so the event loop (and
                    with it generation) keeps going
     weight_sync  → publish the weights to the servers (``rl_core.weight_sync``: a
@@ -11,9 +12,12 @@ One step of ``TrainingLoop.run`` (each phase timed as ``timing/<phase>``)::
     report       → controller.on_version, reporter.version / .metrics, source.finished
     checkpoint   → every ``save_every`` steps and at the end (``rl_core.checkpoints``)
 
-The ``filter_stale`` phase is the one place stale trajectories are dropped (the trainer
-trains what it is given): the loop refills the batch, gives the dropped slots back to the
-controller and reports ``staleness/dropped``.
+The ``filter_stale`` phase is the one place staleness is enforced (the trainer trains what
+it is given): a long episode keeps its stale early turns as context and trains its fresh
+ones (``rl_core.staleness.mask_stale``); a trajectory with nothing fresh is dropped. The loop
+refills the batch, gives the dropped slots back to the controller and reports
+``staleness/dropped`` (trajectories) and ``staleness/masked_tokens`` per step. A partly
+masked trajectory counts as trained.
 
 The loop knows nothing about where trajectories come from: a ``TrajectorySource``
 is an in-process queue fed by the rollout driver (``QueueSource``, see
@@ -40,7 +44,7 @@ from typing import Any, Protocol, runtime_checkable
 from rl_core.adapter_sync import AdapterSync
 from rl_core.checkpoints import CheckpointInfo, latest_checkpoint, write_checkpoint
 from rl_core.config import RunConfig
-from rl_core.staleness import StalenessController, is_fresh
+from rl_core.staleness import StalenessController, mask_stale
 from rl_core.types import Trajectory
 from rl_core.weight_sync import WeightSync  # re-exported: it lived here
 
@@ -372,6 +376,7 @@ class TrainingLoop:
         cfg, phases = self.cfg, _Phases()
         kept: list[tuple[str, Trajectory]] = []
         dropped_keys: list[str] = []
+        masked_tokens = 0
         train_version = self.version
         # Refill until batch_size fresh trajectories: the admission rule assumes every
         # version consumes a full batch; training short batches would let the surplus
@@ -387,8 +392,10 @@ class TrainingLoop:
             with phases.phase("filter_stale"):
                 stale = 0
                 for key, traj in items:
-                    if is_fresh(traj, train_version, cfg.max_staleness):
-                        kept.append((key, traj))
+                    fresh, masked = mask_stale(traj, train_version, cfg.max_staleness)
+                    masked_tokens += masked
+                    if fresh is not None:
+                        kept.append((key, fresh))
                     else:
                         dropped_keys.append(key)
                         stale += 1
@@ -434,6 +441,7 @@ class TrainingLoop:
             **sync_timing,
             **phases.times,
             "staleness/dropped": float(len(dropped_keys)),
+            "staleness/masked_tokens": float(masked_tokens),
             "timing/step": step_time,
             "perf/trajectories_per_s": len(trajectories) / step_time if step_time > 0 else 0.0,
             "step": float(self.step),

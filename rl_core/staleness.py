@@ -2,11 +2,15 @@
 
 Two halves keep every trained token at most ``max_staleness`` versions old:
 admission (``StalenessController``) stops new rollouts from starting too far
-ahead of training, and the training loop drops, before each step, the few
-trajectories that still ended up too old (``is_fresh``; a slow rollout overtaken
-by faster ones). Admission alone cannot give the bound, because trajectories finish
-out of order; the filter alone would waste most rollouts when generation outruns
-training. ``rl_core.loop`` is the one place that filters (and calls ``on_dropped``).
+ahead of training, and the training loop, before each step, takes out of the loss
+the tokens that still ended up too old (``mask_stale``; a slow rollout overtaken by
+faster ones, or the early turns of a long multi-turn episode). A trajectory keeps its
+stale tokens as context (loss mask 0) and trains the rest; it is dropped only when no
+generated token is fresh enough. Dropping long episodes whole, as the first version did,
+biased training toward short episodes. Admission alone cannot give the bound, because
+trajectories finish out of order; the filter alone would waste most rollouts when
+generation outruns training. ``rl_core.loop`` is the one place that filters (and calls
+``on_dropped``).
 
 The web gateway admits with the same rule, as one conditional UPDATE on the run's
 counters (``webapp.gateway.admission``), and reads its settings through
@@ -15,6 +19,7 @@ counters (``webapp.gateway.admission``), and reads its settings through
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
@@ -157,7 +162,7 @@ class StalenessController:
 
 
 def is_fresh(trajectory: Trajectory, train_version: int, max_staleness: int) -> bool:
-    """Whether ``trajectory``'s oldest generated token is at most ``max_staleness`` versions behind.
+    """Whether every generated token of ``trajectory`` is at most ``max_staleness`` versions behind.
 
     ``train_version`` is the version of the weights the step starts from (the
     proximal policy).
@@ -165,11 +170,42 @@ def is_fresh(trajectory: Trajectory, train_version: int, max_staleness: int) -> 
     return train_version - trajectory.oldest_version <= max_staleness
 
 
+def mask_stale(
+    trajectory: Trajectory, train_version: int, max_staleness: int
+) -> tuple[Trajectory | None, int]:
+    """``trajectory`` with its too-old generated tokens out of the loss, and how many were masked.
+
+    A token is too old when ``train_version - version > max_staleness``. It stays in the
+    sequence as context (the fresh tokens after it were generated seeing it) with loss
+    mask 0, so the bound holds for every token that contributes to the loss. ``None``
+    when no generated token is fresh enough: the trajectory is dropped. A fresh
+    trajectory is returned as is (the same object). The turns keep their spans and
+    rewards (``turn_ends`` is made explicit, since a masked turn no longer shows in
+    ``loss_mask``), so later rewards still credit the fresh turns as before.
+    """
+    if is_fresh(trajectory, train_version, max_staleness):
+        return trajectory, 0
+    oldest_fresh = train_version - max_staleness
+    mask = [
+        int(m and v >= oldest_fresh)
+        for m, v in zip(trajectory.loss_mask, trajectory.versions, strict=True)
+    ]
+    masked = trajectory.num_generated - sum(mask)
+    if not any(mask):
+        return None, masked
+    ends = [end for _, end in trajectory.turn_spans()]
+    return dataclasses.replace(trajectory, loss_mask=mask, turn_ends=ends), masked
+
+
 def filter_stale(
     trajectories: Sequence[Trajectory], train_version: int, max_staleness: int
 ) -> tuple[list[Trajectory], int]:
-    """The trajectories that are ``is_fresh``, order preserved, and how many were dropped."""
-    kept = [t for t in trajectories if is_fresh(t, train_version, max_staleness)]
+    """The trajectories after ``mask_stale``, order preserved, and how many were dropped whole."""
+    kept = [
+        masked
+        for masked, _ in (mask_stale(t, train_version, max_staleness) for t in trajectories)
+        if masked is not None
+    ]
     return kept, len(trajectories) - len(kept)
 
 

@@ -155,8 +155,9 @@ class PPOTrainer:
     def train_step(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
         """One policy update from a batch of trajectories; returns metrics.
 
-        Every trajectory is trained: the caller drops stale ones first (``rl_core.loop``
-        does, with ``rl_core.staleness.is_fresh``). ``staleness/max`` and ``staleness/mean``
+        Every token in ``loss_mask`` is trained: the caller masks stale tokens and drops
+        trajectories with nothing fresh first (``rl_core.loop`` does, with
+        ``rl_core.staleness.mask_stale``). ``staleness/max`` and ``staleness/mean``
         report how many versions behind the batch's oldest tokens are.
         """
         if not trajectories:

@@ -92,10 +92,11 @@ def test_concurrent_admissions_never_exceed_capacity():
     assert ctrl.running == 20
 
 
-def test_filter_stale_drops_trajectories_whose_oldest_token_is_too_old():
-    fresh, edge, stale = _traj([5, 6]), _traj([3, 7]), _traj([2, 7])
-    kept, dropped = filter_stale([fresh, edge, stale], train_version=5, max_staleness=2)
-    assert kept == [fresh, edge]
+def test_filter_stale_masks_too_old_tokens_and_drops_trajectories_with_nothing_fresh():
+    fresh, edge, mixed, stale = _traj([5, 6]), _traj([3, 5]), _traj([2, 5]), _traj([1, 2])
+    kept, dropped = filter_stale([fresh, edge, mixed, stale], train_version=5, max_staleness=2)
+    assert kept[:2] == [fresh, edge]
+    assert kept[2].loss_mask == [0, 0, 1]  # its version-2 token is context now
     assert dropped == 1
 
 

@@ -50,7 +50,9 @@ def _endpoint(function, **header_arguments: str):
 
 
 ENDPOINTS = {
-    "chat/completions": _endpoint(chat_completion, retry_count="x-stainless-retry-count"),
+    "chat/completions": _endpoint(
+        chat_completion, retry_count="x-stainless-retry-count", idempotency_key="idempotency-key"
+    ),
     "rl/start_session": _endpoint(rl.start_session),
     "rl/set_reward": _endpoint(rl.set_reward),
     "rl/end_session": _endpoint(rl.end_session),

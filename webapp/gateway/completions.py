@@ -22,7 +22,8 @@ from rl_core.chat import ChatTemplateError, ChatTokenizer, load_chat_tokenizer, 
 from rl_core.ids import new_hex
 from rl_core.inference.adapters import current_adapter
 from webapp.accounts.auth import bearer_token
-from webapp.gateway import turns
+from webapp.accounts.keys import hash_key
+from webapp.gateway import inflight, turns
 from webapp.gateway.caches import CACHES
 from webapp.gateway.chat_request import (
     ChatRequest,
@@ -33,7 +34,7 @@ from webapp.gateway.chat_request import (
 from webapp.gateway.errors import GatewayError, bad_request
 from webapp.gateway.inference import generate
 from webapp.gateway.lane import LaneError, lane
-from webapp.gateway.prompts import build_prompt, continued_choice
+from webapp.gateway.prompts import Prompt, continued_choice, extend_prompt, fresh_prompt
 
 
 @dataclass
@@ -109,49 +110,62 @@ async def chat_completion(
     content_type: str,
     body: bytes,
     retry_count: str = "",
+    idempotency_key: str = "",
     db=in_lane,
 ) -> Reply:
     """``POST /agents/{agent_id}/v1/chat/completions``; every failure is a Reply in OpenAI's error shape.
 
     ``db`` runs the database operations: this process's lane (``in_lane``), or, for Django's
-    route, ``lane.in_thread``.
+    route, ``lane.in_thread``. A retry (``retry_count`` > 0, or an ``idempotency_key``) of a
+    request already answered or still generating gets that answer (``webapp.gateway.inflight``).
     """
     try:
-        return await _chat_completion(agent_id, authorization, content_type, body, retry_count, db)
+        return await _chat_completion(
+            agent_id, authorization, content_type, body, retry_count, idempotency_key, db
+        )
     except GatewayError as exc:
         return Reply.error(exc)
 
 
-async def _chat_completion(agent_id, authorization, content_type, body, retry_count, db) -> Reply:
+async def _chat_completion(
+    agent_id, authorization, content_type, body, retry_count, idempotency_key, db
+) -> Reply:
     started = time.perf_counter()
     chat = parse_chat_request(parse_json_body(body, content_type))
-    fingerprint = chat.fingerprint()
+    fingerprint = inflight.request_key(chat.fingerprint(), idempotency_key)
+    token = bearer_token(authorization)
+    is_retry = _is_retry(retry_count) or bool(idempotency_key)
+    attempt = (str(agent_id), hash_key(token) if token else "", fingerprint)
+    if is_retry:
+        answer = await inflight.IN_FLIGHT.answer(attempt)
+        if answer is not None:
+            return _respond(chat, answer)
     turn = await db(
-        turns.begin(
-            token=bearer_token(authorization),
-            agent_id=agent_id,
-            fingerprint=fingerprint,
-            is_retry=_is_retry(retry_count),
-        ),
+        turns.begin(token=token, agent_id=agent_id, fingerprint=fingerprint, is_retry=is_retry),
         durable=False,  # an admission slot lost in an OS crash is recounted by the reconciler
     )
     if turn.replay is not None:
         return _respond(chat, turn.replay)
-    try:
-        return await _generate_and_record(chat, turn, fingerprint, started, db)
-    except BaseException:
-        if turn.opened:
-            await asyncio.shield(db(turns.discard(turn=turn), durable=False))
-        raise
+    with inflight.IN_FLIGHT.track(attempt) as answered:
+        try:
+            response = await _generate_and_record(chat, turn, fingerprint, started, db)
+        except BaseException:
+            if turn.opened:
+                await asyncio.shield(db(turns.discard(turn=turn), durable=False))
+            raise
+        answered.set_result(response)
+    return _respond(chat, response)
 
 
 async def _generate_and_record(
     chat: ChatRequest, turn: turns.Turn, fingerprint: str, started: float, db
-) -> Reply:
+) -> dict:
+    """Generate and record the turn; the response to send (the original's, for a retry that
+    overlapped it)."""
     run, previous = turn.run, turn.previous
     tok = await _tokenizer(run.base_model)
     try:
-        prompt = build_prompt(tok, chat.messages, chat.rendered_tools, previous)
+        prompt, branched = await _prompt(tok, chat, turn, db)
     except ChatTemplateError as exc:
         raise bad_request(str(exc), param="messages") from None
     max_new = min(chat.max_tokens, settings.GATEWAY_MAX_NEW_TOKENS)
@@ -176,11 +190,13 @@ async def _generate_and_record(
     response, outputs = _completion(
         chat, tok, run.base_model, interaction_id, prompt.input_ids, generation.results
     )
-    chosen = (
-        prompt.chosen
-        if prompt.chosen is not None
-        else (continued_choice(chat.messages, previous) if previous else None)
-    )
+    # Which of the last turn's choices the conversation continued with; a branch continues
+    # its parent's, which trajectory building reads off the messages.
+    chosen = None
+    if not branched:
+        chosen = prompt.chosen
+        if chosen is None and previous is not None:
+            chosen = continued_choice(chat.messages, previous)
     recorded = await db(
         turns.record(
             turn=turn,
@@ -198,7 +214,35 @@ async def _generate_and_record(
             previous_chosen=chosen,
         )
     )
-    return _respond(chat, recorded)
+    return recorded
+
+
+async def _prompt(
+    tok: ChatTokenizer, chat: ChatRequest, turn: turns.Turn, db
+) -> tuple[Prompt, bool]:
+    """The prompt's ids: the last turn's exact tokens continued, or, for a request that does not
+    continue the last turn, those of the earlier turn it branches from (``webapp.gateway.branches``:
+    a parallel sub-agent, a fork), or a fresh render. ``True`` when a branch parent was used.
+    The common path, continuing the last turn, costs no extra statement."""
+    last, tools = turn.previous, chat.rendered_tools
+    if last is not None:
+        extended = extend_prompt(tok, chat.messages, tools, last)
+        if extended is not None:
+            return extended, False
+        if turn.caller.session_turns > 1:
+            parent = await db(
+                turns.branch_parent(
+                    session_id=turn.session_id,
+                    last_turn=turn.caller.session_turns - 1,
+                    messages=chat.messages,
+                    tools=tools,
+                ),
+                durable=False,
+            )
+            extended = extend_prompt(tok, chat.messages, tools, parent) if parent else None
+            if extended is not None:
+                return extended, True
+    return fresh_prompt(tok, chat.messages, tools), False
 
 
 def _is_retry(retry_count: str) -> bool:

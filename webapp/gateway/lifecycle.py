@@ -324,7 +324,8 @@ def release(cursor, *, run_id, session_ids: Iterable | None = None) -> int:
 def finish_training(
     cursor, *, run_id, version: int, trained: Iterable, dropped: Iterable
 ) -> tuple[int, int]:
-    """Claimed sessions were trained into policy ``version``, or dropped as too stale
+    """Claimed sessions were trained into policy ``version`` (also those whose stale early
+    turns were masked out of the loss), or dropped with nothing fresh enough to train
     (a dropped trajectory gives its accepted slot back). Returns ``(trained, dropped)``."""
     done = {"trained_version": version}
     return (

@@ -4,8 +4,10 @@ Within a session, when the new messages are the previous turn's messages plus th
 answer Steep returned plus new messages, the prompt is the previous turn's exact
 token stream (prompt + generated ids) followed by the rendering of only the new
 part. The trajectory is then the literal stream the model saw and produced, and a
-turn costs O(new tokens) to tokenize. Otherwise the messages are rendered afresh
-and the interaction records ``prefix_reused=False``.
+turn costs O(new tokens) to tokenize. When the messages do not extend the last turn but an
+earlier one (a sub-agent's branch, or a fork; ``webapp.gateway.branches``), that turn's tokens
+are reused the same way (``turns.branch_parent`` finds it). Otherwise the messages are
+rendered afresh and the interaction records ``prefix_reused=False``.
 """
 
 from __future__ import annotations
@@ -38,9 +40,14 @@ def build_prompt(
     previous: PreviousTurn | None,
 ) -> Prompt:
     if previous is not None:
-        extended = _extend(tok, messages, tools, previous)
+        extended = extend_prompt(tok, messages, tools, previous)
         if extended is not None:
             return extended
+    return fresh_prompt(tok, messages, tools)
+
+
+def fresh_prompt(tok: ChatTokenizer, messages: list[dict], tools: list[dict] | None) -> Prompt:
+    """The messages rendered from scratch."""
     return Prompt(input_ids=tok.encode_messages(messages, tools), reused=False)
 
 
@@ -60,10 +67,10 @@ def continued_choice(messages: list[dict], previous: PreviousTurn) -> int | None
     return None
 
 
-def _extend(
+def extend_prompt(
     tok: ChatTokenizer, messages: list[dict], tools: list[dict] | None, previous: PreviousTurn
 ) -> Prompt | None:
-    """The previous turn's ids and the chosen answer's ids, then the tokens of what the
+    """None when ``messages`` do not continue ``previous``; else the previous turn's ids and the chosen answer's ids, then the tokens of what the
     template writes after them; a fresh render when its text does not begin with theirs.
 
     One render per turn: the previous prompt and the answer are taken as the text their ids

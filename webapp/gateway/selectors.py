@@ -12,6 +12,7 @@ from django.utils import timezone
 from rl_core.types import Trajectory
 from webapp.accounts.models import Project
 from webapp.accounts.selectors import parse_uuid
+from webapp.gateway import branches
 from webapp.gateway.models import InferenceServer, Interaction, Session
 from webapp.runs.models import Run
 
@@ -99,64 +100,93 @@ def session_trajectories(
 ) -> list[Trajectory]:
     """The session as trainable sequences.
 
-    Turns whose prompt extended the previous turn's exact tokens form one sequence
-    (the literal stream the model saw); a turn rendered afresh starts a new one.
-    Only the choice the conversation continued with (or choice 0) is trained. Each output
-    token carries its turn's logprob temperature (``rl_core.sampling``); ``temperatures``
-    is None when all are 1.0.
+    The turns form a conversation tree (``webapp.gateway.branches``): retry orphans are left
+    out, and each branch (a straight conversation: the main agent, or one sub-agent of several
+    sharing the session key) is trained apart. Within a branch, a turn whose prompt begins
+    with the previous turn's exact tokens (its prompt and the answer continued with) extends
+    that sequence (the literal stream the model saw); a turn rendered afresh starts a new one.
+    Only the choice the conversation continued with (or the recorded ``chosen``) is trained.
+    A sequence whose last turn has no reward takes the session's (its last turn's). Each
+    output token carries its turn's logprob temperature (``rl_core.sampling``);
+    ``temperatures`` is None when all are 1.0.
     """
     turns = (
         interactions if interactions is not None else list(session.interactions.order_by("turn"))
     )
-    chains: list[list[Interaction]] = []
-    for turn in turns:
-        if chains and turn.prefix_reused:
-            chains[-1].append(turn)
-        else:
-            chains.append([turn])
+    kept, _ = branches.drop_retry_orphans(branches.conversation_tree(turns))
+    sequences: list[list[branches.Node]] = []
+    for branch in branches.branches(kept):
+        for position, node in enumerate(branch):
+            if position and _extends(node):
+                sequences[-1].append(node)
+            else:
+                sequences.append([node])
+    outcome = kept[-1].turn.reward if kept else None
     trajectories = []
-    for index, chain in enumerate(chains):
-        last = chain[-1]
-        out = last.outputs[last.chosen]
-        ids = list(last.input_ids) + list(out["output_ids"])
-        mask, logprobs, versions = [0] * len(ids), [0.0] * len(ids), [-1] * len(ids)
-        temperatures = [1.0] * len(ids)  # each output token's: the one its logprob was taken at
-        turn_ends, rewards = [], []
-        for turn in chain:
-            chosen = turn.outputs[turn.chosen]
-            start = len(turn.input_ids)
-            n_out = len(chosen["output_ids"])
-            temperatures[start : start + n_out] = [turn.logprob_temperature] * n_out
-            for offset, (lp, version) in enumerate(
-                zip(chosen["logprobs"], chosen["versions"], strict=True)
-            ):
-                mask[start + offset], logprobs[start + offset], versions[start + offset] = (
-                    1,
-                    lp,
-                    version,
-                )
-            turn_ends.append(start + len(chosen["output_ids"]))
-            rewards.append(turn.reward if turn.reward is not None else 0.0)
-        if not any(mask):
-            continue
-        turn_ends[-1] = len(ids)
-        trajectories.append(
-            Trajectory(
-                input_ids=ids,
-                loss_mask=mask,
-                logprobs=logprobs,
-                versions=versions,
-                rewards=rewards,
-                group_id=str(session.metadata.get("group_id", ""))
-                if isinstance(session.metadata, dict)
-                else "",
-                session_id=f"{session.id}" if len(chains) == 1 else f"{session.id}#{index}",
-                turn_ends=turn_ends,
-                temperatures=temperatures if any(t != 1.0 for t in temperatures) else None,
-                metadata={"task_id": session.task_id, "interactions": [t.id for t in chain]},
+    for index, sequence in enumerate(sequences):
+        trajectory = _sequence_trajectory(session, sequence, outcome)
+        if trajectory is not None:
+            trajectories.append((index, trajectory))
+    for index, trajectory in trajectories:
+        trajectory.session_id = f"{session.id}" if len(sequences) == 1 else f"{session.id}#{index}"
+    return [trajectory for _, trajectory in trajectories]
+
+
+def _extends(node: branches.Node) -> bool:
+    """Whether ``node``'s prompt begins with its parent's exact prompt and continued answer."""
+    parent = node.parent
+    assert parent is not None
+    seen = list(parent.turn.input_ids) + list(
+        parent.turn.outputs[node.continued_choice]["output_ids"]
+    )
+    return list(node.turn.input_ids[: len(seen)]) == seen
+
+
+def _sequence_trajectory(
+    session: Session, sequence: list[branches.Node], outcome: float | None
+) -> Trajectory | None:
+    # The choice each turn's successor continued with; the last turn's own.
+    choices = [nxt.continued_choice for nxt in sequence[1:]] + [sequence[-1].choice]
+    last, last_choice = sequence[-1].turn, choices[-1]
+    out = last.outputs[last_choice]
+    ids = list(last.input_ids) + list(out["output_ids"])
+    mask, logprobs, versions = [0] * len(ids), [0.0] * len(ids), [-1] * len(ids)
+    temperatures = [1.0] * len(ids)  # each output token's: the one its logprob was taken at
+    turn_ends, rewards = [], []
+    for node, choice in zip(sequence, choices, strict=True):
+        turn = node.turn
+        chosen = turn.outputs[choice]
+        start = len(turn.input_ids)
+        n_out = len(chosen["output_ids"])
+        temperatures[start : start + n_out] = [turn.logprob_temperature] * n_out
+        for offset, (lp, version) in enumerate(
+            zip(chosen["logprobs"], chosen["versions"], strict=True)
+        ):
+            mask[start + offset], logprobs[start + offset], versions[start + offset] = (
+                1,
+                lp,
+                version,
             )
-        )
-    return trajectories
+        turn_ends.append(start + n_out)
+        rewards.append(turn.reward if turn.reward is not None else 0.0)
+    if not any(mask):
+        return None
+    if last.reward is None and outcome is not None:
+        rewards[-1] = outcome  # a sub-agent's branch shares the episode's outcome
+    turn_ends[-1] = len(ids)
+    return Trajectory(
+        input_ids=ids,
+        loss_mask=mask,
+        logprobs=logprobs,
+        versions=versions,
+        rewards=rewards,
+        group_id=str(session.metadata.get("group_id", ""))
+        if isinstance(session.metadata, dict)
+        else "",
+        turn_ends=turn_ends,
+        temperatures=temperatures if any(t != 1.0 for t in temperatures) else None,
+        metadata={"task_id": session.task_id, "interactions": [n.turn.id for n in sequence]},
+    )
 
 
 def trajectories_export(

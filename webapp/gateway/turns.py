@@ -34,9 +34,10 @@ from webapp.accounts.models import APIKey
 from webapp.accounts.services import LAST_USED_RESOLUTION
 from webapp.agents.models import Agent
 from webapp.gateway import admission, lifecycle, sql
+from webapp.gateway.chat_request import normalize_message
 from webapp.gateway.errors import GatewayError
 from webapp.gateway.models import Interaction, Session
-from webapp.gateway.prompts import PreviousTurn
+from webapp.gateway.prompts import PreviousTurn, continued_choice
 from webapp.runs.models import Run
 
 REPLAY_WINDOW = timedelta(minutes=10)  # how long a one-turn completion answers an SDK retry
@@ -323,6 +324,54 @@ def _last_turn(row: tuple | None) -> tuple[PreviousTurn | None, dict | None]:
         ],
     )
     return previous, {"request_hash": row[0], "response": response}
+
+
+BRANCH_CANDIDATES = 16  # how many earlier turns a branch's parent is looked for among
+
+
+def branch_parent(*, session_id, last_turn: int, messages: list, tools):
+    """The operation that finds the turn a request continues when it does not continue the
+    session's last turn (``last_turn``): a parallel sub-agent's own conversation, or a fork.
+
+    Only this rarer path pays for it: among the ``BRANCH_CANDIDATES`` turns before the last,
+    the one whose conversation (messages and an answer) ``messages`` extend the furthest, the
+    latest of equals. A first statement reads each candidate's message count and answers only
+    (not its tokens), which finds the candidates whose answer sits where ``messages`` continue;
+    the best of those is then read whole and checked. Returns a ``PreviousTurn`` or None.
+    """
+
+    def operation(cursor) -> PreviousTurn | None:
+        session_pk = sql.pk(cursor, Session, session_id)
+        count = "json_array_length" if cursor.db.vendor == "sqlite" else "jsonb_array_length"
+        cursor.execute(
+            f"SELECT turn, {count}(messages), response FROM {_INTERACTIONS}"
+            " WHERE session_id = %s AND turn < %s ORDER BY turn DESC LIMIT %s",
+            [session_pk, last_turn, BRANCH_CANDIDATES],
+        )
+        answers: dict[int, dict] = {}  # normalised messages[k], computed once per k
+        candidates = []
+        for turn, length, response in cursor.fetchall():
+            k = int(length or 0)
+            if k >= len(messages) or not isinstance(messages[k], dict):
+                continue
+            answer = answers.setdefault(k, normalize_message(messages[k]))
+            choices = (sql.loads(response) or {}).get("choices") or []
+            if any(normalize_message(c.get("message") or {}) == answer for c in choices):
+                candidates.append((k, int(turn)))
+        for _, turn in sorted(candidates, reverse=True):  # the longest, then the latest
+            cursor.execute(
+                f"SELECT request_hash, messages, tools, input_ids, outputs, response"
+                f" FROM {_INTERACTIONS} WHERE session_id = %s AND turn = %s",
+                [session_pk, turn],
+            )
+            candidate, _ = _last_turn(cursor.fetchone())
+            if candidate is None or (tools or None) != (candidate.tools or None):
+                continue
+            if continued_choice(messages, candidate) is not None:
+                return candidate
+        return None
+
+    return operation
 
 
 def _recent_replay(cursor, agent_id, fingerprint: str) -> dict | None:

@@ -97,7 +97,9 @@ def _agent_view(endpoint, **header_arguments: str):
     return view
 
 
-chat_completions = _agent_view(chat_completion, retry_count="X-Stainless-Retry-Count")
+chat_completions = _agent_view(
+    chat_completion, retry_count="X-Stainless-Retry-Count", idempotency_key="Idempotency-Key"
+)
 start_session = _agent_view(rl.start_session)
 set_reward = _agent_view(rl.set_reward)
 end_session = _agent_view(rl.end_session)
