@@ -213,3 +213,20 @@ def test_the_routes_own_refusals_are_in_anthropics_shape_too(gw):
 def test_the_sdk_sees_a_bad_request_as_bad_request_error(gw):
     with pytest.raises(BadRequestError):
         _client(gw).messages.create(model=gw.model, max_tokens=0, messages=HI)
+
+
+@pytest.mark.parametrize(
+    ("method", "body", "status"), [("get", None, 405), ("post", "{", 400), ("post", "{}", 400)]
+)
+async def test_djangos_route_answers_in_anthropics_shape_too(async_client, method, body, status):
+    # Django serves these paths when the fast route does not (e.g. not under uvicorn).
+    url = f"/agents/{uuid.uuid4()}/v1/messages"
+    if method == "get":
+        response = await async_client.get(url)
+    else:
+        response = await async_client.post(url, body, content_type="application/json")
+    assert response.status_code == status
+    assert response.json()["type"] == "error" and set(response.json()["error"]) == {
+        "type",
+        "message",
+    }

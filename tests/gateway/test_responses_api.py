@@ -195,3 +195,12 @@ def test_bad_keys_and_foreign_agents_get_openais_401_and_404(gw, other_api_key, 
 def test_the_sdk_sees_a_bad_request_as_bad_request_error(gw):
     with pytest.raises(BadRequestError):
         gw.openai().responses.create(model=gw.model, input="Hi", max_output_tokens=0)
+
+
+async def test_djangos_route_answers_in_openais_shape(async_client, openai_error):
+    # Django serves these paths when the fast route does not (e.g. not under uvicorn).
+    url = f"/agents/{uuid.uuid4()}/v1/responses"
+    malformed = await async_client.post(url, "{", content_type="application/json")
+    wrong_method = await async_client.get(url)
+    assert openai_error(malformed, 400)["code"] == "invalid_json"
+    assert openai_error(wrong_method, 405)["code"] == "method_not_allowed"
