@@ -165,6 +165,10 @@ BAD_REQUESTS = [
     '{"max_tokens": 8}',
     '{"max_tokens": 8, "messages": "Hi"}',
     '{"max_tokens": 8, "messages": [{"role": "system", "content": "Hi"}]}',
+    '{"max_tokens": 8, "messages": [{"role": ["user"], "content": "Hi"}]}',
+    '{"max_tokens": 8, "messages": [{"role": "user", "content": [{"type": "tool_result"}]}]}',
+    '{"max_tokens": 8, "tool_choice": {"type": "maybe"}, "tools": [{"name": "f"}],'
+    ' "messages": [{"role": "user", "content": "Hi"}]}',
     '{"max_tokens": 8, "messages": [{"role": "user", "content": 5}]}',
     '{"max_tokens": 8, "messages": [{"role": "user", "content": [{"type": "image"}]}]}',
     '{"max_tokens": 8, "system": 5, "messages": [{"role": "user", "content": "Hi"}]}',

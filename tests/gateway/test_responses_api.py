@@ -151,6 +151,8 @@ BAD_REQUESTS = [
     ('{"input": 5}', "input", "invalid_type"),
     ('{"input": []}', "input", "invalid_type"),
     ('{"input": [{"role": "robot", "content": "Hi"}]}', "input[0].role", "invalid_value"),
+    ('{"input": [{"role": ["user"], "content": "Hi"}]}', "input[0].role", "invalid_value"),
+    ('{"input": "Hi", "model": 5}', "model", "invalid_type"),
     ('{"input": [{"type": "reasoning", "summary": []}]}', "input[0].type", "invalid_value"),
     (
         '{"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}',

@@ -34,6 +34,8 @@ from webapp.gateway.chat_events import (
     TextDelta,
     ToolCallDelta,
     chat_turn,
+    final_completion,
+    sse_reply,
 )
 from webapp.gateway.completions import Reply, in_lane, parse_json_body
 from webapp.gateway.errors import GatewayError, bad_request
@@ -75,24 +77,13 @@ async def create_message(
             retry_count=retry_count,
             db=db,
         )
+        if turn.refusal is not None:
+            return anthropic_error(turn.refusal)
+        if request.get("stream"):
+            return sse_reply(message_stream(turn.events))
+        return Reply.json(render_message(await final_completion(turn.events)))
     except GatewayError as exc:
         return anthropic_error(Reply.error(exc))
-    if turn.refusal is not None:
-        return anthropic_error(turn.refusal)
-    if request.get("stream"):
-        return Reply(
-            200,
-            stream=message_stream(turn.events),
-            headers={
-                "Content-Type": "text/event-stream",
-                "Cache-Control": "no-cache",
-                "X-Accel-Buffering": "no",
-            },
-        )
-    async for event in turn.events:
-        if isinstance(event, Completed):
-            return Reply.json(render_message(event.completion))
-    return anthropic_error(Reply.error(GatewayError(503, "The answer was lost.")))
 
 
 def anthropic_error(reply: Reply) -> Reply:

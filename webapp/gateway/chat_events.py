@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import orjson
 
 from webapp.gateway.completions import Reply, chat_completion, in_lane
+from webapp.gateway.errors import GatewayError
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,33 @@ async def chat_turn(
     if reply.stream is None:
         return ChatTurn(events=_whole(orjson.loads(reply.body)))
     return ChatTurn(events=_streamed(reply.stream))
+
+
+async def final_completion(events: AsyncIterator[ChatEvent]) -> dict:
+    """The recorded completion the events end with; a failure is its GatewayError."""
+    async with contextlib.aclosing(events):
+        async for event in events:
+            if isinstance(event, Completed):
+                return event.completion
+            if isinstance(event, Failed):
+                error = event.error
+                raise GatewayError(
+                    502, error.get("message") or "The answer failed.", code=error.get("code")
+                )
+    raise GatewayError(502, "The answer ended before it was complete.", code="incomplete_answer")
+
+
+def sse_reply(stream: AsyncIterator[bytes]) -> Reply:
+    """A 200 streaming ``stream`` as server-sent events, unbuffered by proxies."""
+    return Reply(
+        200,
+        stream=stream,
+        headers={
+            "Content-Type": "text/event-stream",
+            "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no",
+        },
+    )
 
 
 async def _whole(completion: dict) -> AsyncIterator[ChatEvent]:

@@ -22,7 +22,7 @@ from typing import Any
 from webapp.accounts.auth import bearer_token
 from webapp.agents.models import Agent
 from webapp.gateway import sql, turns
-from webapp.gateway.chat_events import chat_turn
+from webapp.gateway.chat_events import chat_turn, final_completion, sse_reply
 from webapp.gateway.completions import Reply, in_lane, parse_json_body
 from webapp.gateway.errors import GatewayError, bad_request
 from webapp.gateway.models import Interaction, Session
@@ -46,9 +46,9 @@ async def create_response(
         request = parse_json_body(body, content_type)
         if not isinstance(request, dict):
             raise bad_request("The request body must be a JSON object.", code="invalid_json")
-        messages = _messages(request)
+        chat_body = _chat_body(request, _messages(request))
         previous_id = request.get("previous_response_id")
-        if previous_id is not None:
+        if previous_id is not None:  # checked after the rest: bad input never reaches the database
             if not isinstance(previous_id, str):
                 raise bad_request(
                     "'previous_response_id' must be a string.",
@@ -61,31 +61,23 @@ async def create_response(
                 ),
                 durable=False,
             )
-            messages = _after(earlier, messages, has_instructions="instructions" in request)
+            chat_body["messages"] = _after(
+                earlier, chat_body["messages"], has_instructions="instructions" in request
+            )
         turn = await chat_turn(
             agent_id=agent_id,
             authorization=authorization,
-            chat_body=_chat_body(request, messages),
+            chat_body=chat_body,
             retry_count=retry_count,
             db=db,
         )
+        if turn.refusal is not None:
+            return turn.refusal
+        if request.get("stream"):
+            return sse_reply(response_stream(request, turn.events))
+        return Reply.json(render_response(request, await final_completion(turn.events)))
     except GatewayError as exc:
         return Reply.error(exc)
-    if turn.refusal is not None:
-        return turn.refusal
-    if request.get("stream"):
-        return Reply(
-            200,
-            stream=response_stream(request, turn.events),
-            headers={
-                "Content-Type": "text/event-stream",
-                "Cache-Control": "no-cache",
-                "X-Accel-Buffering": "no",
-            },
-        )
-    async for event in turn.events:
-        completion = getattr(event, "completion", None)
-    return Reply.json(render_response(request, completion))
 
 
 def previous_conversation(*, token: str | None, agent_id: str, response_id: str):
@@ -189,7 +181,8 @@ def _add_item(messages: list[dict], item: Any, param: str, joinable: bool) -> bo
         raise bad_request(f"{param} must be an object.", param=param, code="invalid_type")
     kind = item.get("type", "message")
     if kind == "message":
-        role = _ROLES.get(item.get("role"))  # type: ignore[arg-type]
+        role = item.get("role")
+        role = _ROLES.get(role) if isinstance(role, str) else None
         if role is None:
             raise bad_request(
                 f"{param}.role must be one of user, assistant, system, developer.",
