@@ -234,3 +234,34 @@ async def test_djangos_route_answers_in_anthropics_shape_too(async_client, metho
         "type",
         "message",
     }
+
+
+def test_session_and_run_refusals_keep_the_chat_paths_status_codes(
+    gw, make_gateway, project, api_key
+):
+    from anthropic import ConflictError, InternalServerError
+
+    _, key = gw.start_session()
+    assert gw.post("/rl/end_session", key=key).status_code == 200
+    with pytest.raises(ConflictError) as ended:
+        _client(gw, key).messages.create(model=gw.model, max_tokens=2, messages=HI)
+    stopped = make_gateway(project, api_key, running=False, name="stopped")
+    with pytest.raises(InternalServerError) as not_running:
+        _client(stopped).messages.create(model=gw.model, max_tokens=2, messages=HI)
+
+    assert _anthropic_error(ended.value, 409)["type"] == "invalid_request_error"
+    assert _anthropic_error(not_running.value, 503)["type"] == "overloaded_error"
+
+
+def test_a_message_records_the_same_row_as_the_same_chat_turn(gw):
+    chat = gw.openai().chat.completions.create(
+        model=gw.model, messages=HI, max_tokens=6, temperature=0, stop=["###"]
+    )
+    message = _client(gw).messages.create(
+        model=gw.model, max_tokens=6, messages=HI, stop_sequences=["###"], extra_body=GREEDY
+    )
+
+    by_chat, by_messages = (Interaction.objects.get(pk=i) for i in (chat.id, message.id))
+    for field in ("messages", "tools", "input_ids", "sampling", "temperature", "top_p", "top_k"):
+        assert getattr(by_messages, field) == getattr(by_chat, field), field
+    assert by_messages.outputs[0]["output_ids"] == by_chat.outputs[0]["output_ids"]  # greedy

@@ -206,3 +206,19 @@ async def test_djangos_route_answers_in_openais_shape(async_client, openai_error
     wrong_method = await async_client.get(url)
     assert openai_error(malformed, 400)["code"] == "invalid_json"
     assert openai_error(wrong_method, 405)["code"] == "method_not_allowed"
+
+
+def test_a_response_records_the_same_row_as_the_same_chat_turn(gw):
+    client = gw.openai()
+    chat = client.chat.completions.create(
+        model=gw.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=6, temperature=0
+    )
+    response = client.responses.create(
+        model=gw.model, input="Hi", max_output_tokens=6, temperature=0
+    )
+
+    by_chat, by_responses = (Interaction.objects.get(pk=i) for i in (chat.id, response.id))
+    for field in ("messages", "tools", "input_ids", "sampling", "temperature", "top_p", "top_k"):
+        assert getattr(by_responses, field) == getattr(by_chat, field), field
+    assert by_responses.outputs[0]["output_ids"] == by_chat.outputs[0]["output_ids"]  # greedy
+    assert response.output_text == chat.choices[0].message.content
