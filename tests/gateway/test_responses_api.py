@@ -222,3 +222,18 @@ def test_a_response_records_the_same_row_as_the_same_chat_turn(gw):
         assert getattr(by_responses, field) == getattr(by_chat, field), field
     assert by_responses.outputs[0]["output_ids"] == by_chat.outputs[0]["output_ids"]  # greedy
     assert response.output_text == chat.choices[0].message.content
+
+
+def test_the_sdks_stream_helper_follows_the_events_to_an_answer_cut_by_max_output_tokens(gw):
+    # As OpenAI does, an answer cut short ends in response.incomplete (not .completed).
+    with gw.openai().responses.stream(
+        model=gw.model, input="Hi", max_output_tokens=1, temperature=0
+    ) as stream:
+        events = list(stream)
+
+    final = events[-1]
+    assert final.type == "response.incomplete"
+    assert final.response.incomplete_details.reason == "max_output_tokens"
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    interaction = Interaction.objects.get(pk=final.response.id)
+    assert text == final.response.output_text == interaction.outputs[0]["text"]
