@@ -265,3 +265,16 @@ def test_a_message_records_the_same_row_as_the_same_chat_turn(gw):
     for field in ("messages", "tools", "input_ids", "sampling", "temperature", "top_p", "top_k"):
         assert getattr(by_messages, field) == getattr(by_chat, field), field
     assert by_messages.outputs[0]["output_ids"] == by_chat.outputs[0]["output_ids"]  # greedy
+
+
+def test_an_sdk_retry_gets_the_recorded_message_and_records_nothing_twice(gw):
+    first = _client(gw).messages.create(model=gw.model, max_tokens=6, messages=HI)
+    retry = _client(gw).messages.create(
+        model=gw.model,
+        max_tokens=6,
+        messages=HI,
+        extra_headers={"x-stainless-retry-count": "1"},
+    )
+
+    assert (retry.id, retry.content) == (first.id, first.content)
+    assert Interaction.objects.count() == 1

@@ -237,3 +237,18 @@ def test_the_sdks_stream_helper_follows_the_events_to_an_answer_cut_by_max_outpu
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     interaction = Interaction.objects.get(pk=final.response.id)
     assert text == final.response.output_text == interaction.outputs[0]["text"]
+
+
+def test_an_sdk_retry_gets_the_recorded_response_and_records_nothing_twice(gw):
+    client = gw.openai()
+    first = client.responses.create(model=gw.model, input="Hi", max_output_tokens=6)
+    retry = client.responses.create(
+        model=gw.model,
+        input="Hi",
+        max_output_tokens=6,
+        extra_headers={"x-stainless-retry-count": "1"},
+    )
+
+    assert (retry.id, retry.output_text) == (first.id, first.output_text)
+    assert [item.id for item in retry.output] == [item.id for item in first.output]
+    assert Interaction.objects.count() == 1
