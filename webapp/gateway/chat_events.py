@@ -9,8 +9,8 @@ read here as a stream of events:
     Started(id, model, created)  TextDelta* / ToolCallDelta*  Completed(completion)
                                                          or   Failed(error)
 
-``Completed.completion`` is the chat completion the turn recorded (``id`` is the
-interaction id). A streamed turn is read from the chat path's own SSE chunks, so when
+``Completed.completion`` is the turn's chat completion as recorded (``id`` is the
+interaction id; a streamed one is assembled from its chunks). A streamed turn is read from the chat path's own SSE chunks, so when
 that path streams token by token, these events, and the APIs built on them, do too;
 a non-streamed turn yields ``Started`` and ``Completed`` only. Closing the iterator
 closes the chat stream under it (a client that went away is the chat path's to handle).
