@@ -204,14 +204,17 @@ def test_the_asgi_application_sends_only_an_agents_calls_to_the_fast_route(monke
     for name in list(fast.ENDPOINTS):
         monkeypatch.setitem(fast.ENDPOINTS, name, recording(name))
 
-    for name in ["chat/completions", "rl/start_session", "rl/set_reward", "rl/end_session"]:
-        assert Exchange(f"/agents/a1/v1/{name}").run(application).status == 299
-    assert served == [
-        ("chat/completions", "a1"),
-        ("rl/start_session", "a1"),
-        ("rl/set_reward", "a1"),
-        ("rl/end_session", "a1"),
+    names = [
+        "chat/completions",
+        "responses",
+        "messages",
+        "rl/start_session",
+        "rl/set_reward",
+        "rl/end_session",
     ]
+    for name in names:
+        assert Exchange(f"/agents/a1/v1/{name}").run(application).status == 299
+    assert served == [(name, "a1") for name in names]
     health = Exchange("/healthz", method="GET").run(application)
     assert (health.status, health.json()) == (200, {"status": "ok"})
     # Near misses are Django's too (it answers 404 or redirects; the fast route is not asked).
@@ -220,9 +223,11 @@ def test_the_asgi_application_sends_only_an_agents_calls_to_the_fast_route(monke
         "/agents/a1/v1/chat/completion",
         "/agents/a1/v1/rl/start_session/",
         "/agents/a1/v1/models",
+        "/agents/a1/v1/messages/",
+        "/agents/a1/messages",
     ]:
         assert Exchange(path).run(application).status in (301, 401, 404, 405)
-    assert len(served) == 4
+    assert len(served) == len(names)
 
 
 def test_a_get_is_405_in_openais_shape():

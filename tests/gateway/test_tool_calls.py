@@ -44,6 +44,8 @@ def tool_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
     from rl_core.chat import ChatTokenizer
 
     out = tmp_path_factory.getbasetemp() / "tiny-model-tools"
+    if (out / "sft-done").exists():  # made by another module of this session (it imports this)
+        return out
     shutil.copytree(tiny_model_dir, out)
     tok = ChatTokenizer.from_pretrained(out)
     prompt = tok.encode(tok.render(TOOL_MESSAGES, tools=TOOLS))
@@ -63,6 +65,7 @@ def tool_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
                 break
     assert loss.item() < 5e-3, f"the tool-call SFT did not converge (loss {loss.item():.4f})"
     model.eval().save_pretrained(out)
+    (out / "sft-done").touch()
     return out
 
 

@@ -1,10 +1,11 @@
 """The gateway's ASGI fast route: an agent's calls answered without Django's request stack.
 
-Agents call ``POST /agents/{agent_id}/v1/chat/completions`` and the RL protocol's
-``/rl/start_session``, ``/rl/set_reward`` and ``/rl/end_session`` far more often than
-anything else, and Django's request/response cycle and middleware cost more CPU than
+Agents call ``POST /agents/{agent_id}/v1/chat/completions`` (or its translations
+``/responses`` and Anthropic's ``/messages``) and the RL protocol's ``/rl/start_session``,
+``/rl/set_reward`` and ``/rl/end_session`` far more often than anything else, and Django's request/response cycle and middleware cost more CPU than
 their own work (docs/benchmarks.md). ``fast_route(django_app)`` wraps the Django
-application: those paths go straight to ``completions.chat_completion`` and
+application: those paths go straight to ``completions.chat_completion``,
+``responses_api.create_response``, ``anthropic_api.create_message`` and
 ``webapp.gateway.rl``; every other request, and any that needs Django's handling (a host
 not in ``ALLOWED_HOSTS``, plain HTTP when ``SECURE_SSL_REDIRECT`` is on), goes to Django
 unchanged. Django's views call the same functions, so both routes give the same answers.
@@ -24,12 +25,15 @@ from django.http.request import split_domain_port, validate_host
 
 from webapp import observability
 from webapp.gateway import rl
+from webapp.gateway.anthropic_api import anthropic_error, create_message
 from webapp.gateway.completions import Reply, chat_completion
 from webapp.gateway.errors import GatewayError
+from webapp.gateway.responses_api import create_response
 from webapp.middleware import too_large_body
 
 ROUTE = re.compile(
-    r"/agents/([^/]+)/v1/(chat/completions|rl/start_session|rl/set_reward|rl/end_session)"
+    r"/agents/([^/]+)/v1/"
+    r"(chat/completions|responses|messages|rl/start_session|rl/set_reward|rl/end_session)"
 )
 
 
@@ -53,10 +57,21 @@ ENDPOINTS = {
     "chat/completions": _endpoint(
         chat_completion, retry_count="x-stainless-retry-count", idempotency_key="idempotency-key"
     ),
+    "responses": _endpoint(
+        create_response, retry_count="x-stainless-retry-count", idempotency_key="idempotency-key"
+    ),
+    "messages": _endpoint(
+        create_message,
+        api_key="x-api-key",
+        retry_count="x-stainless-retry-count",
+        idempotency_key="idempotency-key",
+    ),
     "rl/start_session": _endpoint(rl.start_session),
     "rl/set_reward": _endpoint(rl.set_reward),
     "rl/end_session": _endpoint(rl.end_session),
 }
+# Endpoints whose refusals (a wrong method, a body over the limit) are not in OpenAI's shape.
+REFUSAL_SHAPES = {"messages": anthropic_error}
 
 
 def fast_route(django_app):
@@ -68,8 +83,8 @@ def fast_route(django_app):
             if match is not None:
                 headers = _headers(scope)
                 if _ours(scope, headers):
-                    endpoint = ENDPOINTS[match.group(2)]
-                    await _serve(scope, receive, send, endpoint, match.group(1), headers)
+                    name = match.group(2)
+                    await _serve(scope, receive, send, name, match.group(1), headers)
                     return
         await django_app(scope, receive, send)
 
@@ -100,20 +115,24 @@ def _ours(scope, headers: dict[str, str]) -> bool:
     return not settings.SECURE_SSL_REDIRECT or _secure(scope, headers)
 
 
-async def _serve(scope, receive, send, endpoint, agent_id: str, headers: dict[str, str]) -> None:
+async def _serve(scope, receive, send, name: str, agent_id: str, headers: dict[str, str]) -> None:
     started = time.perf_counter()
     request_id = observability.request_id_for(headers.get("x-request-id"))
     observability.request_id_var.set(request_id)
     if scope["method"] != "POST":
-        reply = Reply.error(
-            GatewayError(405, "Use POST on this endpoint.", code="method_not_allowed")
+        reply = _refusal(
+            name,
+            Reply.error(GatewayError(405, "Use POST on this endpoint.", code="method_not_allowed")),
         )
     else:
         try:
             body = await _read_body(receive, headers)
         except _Disconnected:
             return
-        reply = _too_large() if body is None else await endpoint(agent_id, headers, body)
+        if body is None:
+            reply = _refusal(name, _too_large())
+        else:
+            reply = await ENDPOINTS[name](agent_id, headers, body)
     await _send(send, reply, request_id, _secure(scope, headers))
     observability.log_request(scope["method"], scope["path"], reply.status, started)
 
@@ -142,6 +161,12 @@ async def _read_body(receive, headers: dict[str, str]) -> bytes | None:
 
 class _Disconnected(Exception):
     """The client went away before its request body arrived."""
+
+
+def _refusal(name: str, reply: Reply) -> Reply:
+    """A refusal of this module's own (405, 413) in endpoint ``name``'s error shape."""
+    shape = REFUSAL_SHAPES.get(name)
+    return reply if shape is None else shape(reply)
 
 
 def _too_large() -> Reply:

@@ -1,6 +1,7 @@
 """The OpenAI-compatible gateway: ``{SITE_URL}/agents/{agent_id}/v1/...``.
 
-Chat completions (``webapp.gateway.completions``) and the RL protocol
+Chat completions (``webapp.gateway.completions``), the Responses and Anthropic Messages
+APIs built on them (``responses_api``, ``anthropic_api``) and the RL protocol
 (``webapp.gateway.rl``) are framework-free and also served by the ASGI fast route; these
 views hand them Django's request and run their database work through ``lane.in_thread``.
 Every error is a GatewayError rendered in OpenAI's error shape; bad input never reaches
@@ -16,32 +17,46 @@ from django.views.decorators.csrf import csrf_exempt
 
 from webapp.accounts.auth import bearer_token
 from webapp.gateway import rl, turns
+from webapp.gateway.anthropic_api import anthropic_error, create_message
 from webapp.gateway.completions import Reply, chat_completion, model_id
 from webapp.gateway.errors import GatewayError
 from webapp.gateway.lane import in_thread
-from webapp.middleware import too_large_response
+from webapp.gateway.responses_api import create_response
+from webapp.middleware import too_large_body
 
 
 def _token(request: HttpRequest) -> str | None:
     return bearer_token(request.headers.get("Authorization", ""))
 
 
-def _gateway_view(methods: tuple[str, ...]):
+def _gateway_view(methods: tuple[str, ...], shape=None):
+    """``shape``: turns an error Reply in OpenAI's shape into the endpoint's own."""
+
+    def refuse(reply: Reply) -> HttpResponse:
+        return _response(reply if shape is None else shape(reply))
+
     def wrap(view):
         @csrf_exempt
         async def handler(request, agent_id, *args, **kwargs):
             if request.method not in methods:
-                return GatewayError(
-                    405, f"Use {' or '.join(methods)} on this endpoint.", code="method_not_allowed"
-                ).response()
+                return refuse(
+                    Reply.error(
+                        GatewayError(
+                            405,
+                            f"Use {' or '.join(methods)} on this endpoint.",
+                            code="method_not_allowed",
+                        )
+                    )
+                )
             try:
                 return await view(request, agent_id, *args, **kwargs)
             except GatewayError as exc:
-                return exc.response()
+                return refuse(Reply.error(exc))
             except RequestDataTooBig:
                 # A body without Content-Length (chunked) passes the middleware's check;
                 # Django refuses it when read.
-                return too_large_response(settings.DATA_UPLOAD_MAX_MEMORY_SIZE, openai_shape=True)
+                limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+                return refuse(Reply.json(too_large_body(limit, openai_shape=True), status=413))
 
         handler.__name__ = view.__name__
         return handler
@@ -76,12 +91,12 @@ def _models_caller(token, agent_id):
     return operation
 
 
-def _agent_view(endpoint, **header_arguments: str):
+def _agent_view(endpoint, shape=None, **header_arguments: str):
     """A Django view for an agent endpoint (``completions.chat_completion``, the ``rl``
-    functions; under ASGI, ``webapp.gateway.asgi`` answers these paths before Django sees
-    them), its database work run through ``lane.in_thread``."""
+    functions, the Responses and Messages APIs; under ASGI, ``webapp.gateway.asgi`` answers
+    these paths before Django sees them), its database work run through ``lane.in_thread``."""
 
-    @_gateway_view(("POST",))
+    @_gateway_view(("POST",), shape)
     async def view(request, agent_id):
         reply = await endpoint(
             agent_id=agent_id,
@@ -99,6 +114,16 @@ def _agent_view(endpoint, **header_arguments: str):
 
 chat_completions = _agent_view(
     chat_completion, retry_count="X-Stainless-Retry-Count", idempotency_key="Idempotency-Key"
+)
+responses = _agent_view(
+    create_response, retry_count="X-Stainless-Retry-Count", idempotency_key="Idempotency-Key"
+)
+messages = _agent_view(
+    create_message,
+    anthropic_error,
+    api_key="X-Api-Key",
+    retry_count="X-Stainless-Retry-Count",
+    idempotency_key="Idempotency-Key",
 )
 start_session = _agent_view(rl.start_session)
 set_reward = _agent_view(rl.set_reward)
