@@ -31,9 +31,10 @@ from webapp.gateway.chat_request import (
     storable_text,
 )
 from webapp.gateway.errors import GatewayError, bad_request
-from webapp.gateway.inference import generate
+from webapp.gateway.inference import generate, generate_stream
 from webapp.gateway.lane import LaneError, lane
 from webapp.gateway.prompts import build_prompt, continued_choice
+from webapp.gateway.streaming import CompletionStream
 
 
 @dataclass
@@ -156,46 +157,64 @@ async def _generate_and_record(
         raise bad_request(str(exc), param="messages") from None
     max_new = min(chat.max_tokens, settings.GATEWAY_MAX_NEW_TOKENS)
     sampling = chat.sampling_params(max_new_tokens=max_new, stop_token_ids=tok.eos_token_ids)
-    generation = await generate(
-        run_id=run.id,
-        sticky=turn.sticky_server,
-        input_ids=prompt.input_ids,
-        sampling_params=sampling,
-        n=chat.n,
-        seed=chat.seed,
-        top_logprobs=chat.top_logprobs,
+    engine_request = {
+        "run_id": run.id,
+        "sticky": turn.sticky_server,
+        "input_ids": prompt.input_ids,
+        "sampling_params": sampling,
+        "n": chat.n,
+        "seed": chat.seed,
+        "top_logprobs": chat.top_logprobs,
         # A LoRA run serves each policy version as its own adapter (rl_core.adapter_sync).
-        lora_path=current_adapter(
+        "lora_path": current_adapter(
             str(run.id),
             run.weight_version,
             lora_rank=int(run.config.get("lora_rank") or 0),
             init_checkpoint=run.config.get("init_checkpoint"),
         ),
-    )
-    interaction_id = f"chatcmpl-{new_hex()}"
-    response, outputs = _completion(
-        chat, tok, run.base_model, interaction_id, prompt.input_ids, generation.results
-    )
+    }
     chosen = (
         prompt.chosen
         if prompt.chosen is not None
         else (continued_choice(chat.messages, previous) if previous else None)
     )
+    record = {
+        "request_hash": fingerprint,
+        "messages": chat.messages,
+        "tools": chat.tools,
+        "sampling": sampling | {"n": chat.n, "seed": chat.seed},
+        "input_ids": prompt.input_ids,
+        "prefix_reused": prompt.reused,
+        "previous_chosen": chosen,
+    }
+    interaction_id = f"chatcmpl-{new_hex()}"
+    if chat.stream:
+        # The stream owns the turn from here: it records it, or discards it on an error.
+        stream = CompletionStream(
+            chat=chat,
+            tok=tok,
+            generation=await generate_stream(**engine_request),
+            interaction_id=interaction_id,
+            model=model_id(run.base_model),
+            record=record,
+            started=started,
+            turn=turn,
+            db=db,
+        )
+        return _sse_reply(stream.events())
+    generation = await generate(**engine_request)
+    response, outputs = _completion(
+        chat, tok, run.base_model, interaction_id, prompt.input_ids, generation.results
+    )
     recorded = await db(
         turns.record(
             turn=turn,
             interaction_id=interaction_id,
-            request_hash=fingerprint,
-            messages=chat.messages,
-            tools=chat.tools,
-            sampling=sampling | {"n": chat.n, "seed": chat.seed},
-            input_ids=prompt.input_ids,
-            prefix_reused=prompt.reused,
             outputs=outputs,
             response=response,
             server_url=generation.server_url,
             latency_ms=(time.perf_counter() - started) * 1000,
-            previous_chosen=chosen,
+            **record,
         )
     )
     return _respond(chat, recorded)
@@ -211,9 +230,13 @@ def _is_retry(retry_count: str) -> bool:
 def _respond(chat: ChatRequest, response: dict) -> Reply:
     if not chat.stream:
         return Reply.json(response)
+    return _sse_reply(_sse(chat, response))
+
+
+def _sse_reply(stream: AsyncIterator[bytes]) -> Reply:
     return Reply(
         200,
-        stream=_sse(chat, response),
+        stream=stream,
         headers={
             "Content-Type": "text/event-stream",
             "Cache-Control": "no-cache",
@@ -303,7 +326,8 @@ def _logprobs(chat: ChatRequest, tok, result) -> dict:
 
 
 async def _sse(chat: ChatRequest, response: dict):
-    """OpenAI's chunk stream for a recorded completion: role, content pieces, finish, usage, [DONE]."""
+    """OpenAI's chunk stream replaying a recorded completion (an SDK retry of a streamed turn):
+    role, content pieces, finish, usage, [DONE]."""
 
     def chunk(choices: list[dict], usage=None) -> bytes:
         body = {

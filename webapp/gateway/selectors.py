@@ -101,13 +101,21 @@ def session_trajectories(
 
     Turns whose prompt extended the previous turn's exact tokens form one sequence
     (the literal stream the model saw); a turn rendered afresh starts a new one.
-    Only the choice the conversation continued with (or choice 0) is trained. Each output
+    Only the choice the conversation continued with (or choice 0) is trained; an aborted turn
+    (its client went away mid-stream) is not: a later turn may still carry its tokens as
+    context, with no loss on them. Each output
     token carries its turn's logprob temperature (``rl_core.sampling``); ``temperatures``
     is None when all are 1.0.
     """
-    turns = (
-        interactions if interactions is not None else list(session.interactions.order_by("turn"))
-    )
+    turns = [
+        turn
+        for turn in (
+            interactions
+            if interactions is not None
+            else list(session.interactions.order_by("turn"))
+        )
+        if not turn.aborted
+    ]
     chains: list[list[Interaction]] = []
     for turn in turns:
         if chains and turn.prefix_reused:
