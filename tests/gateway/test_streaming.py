@@ -175,3 +175,21 @@ def test_a_penalty_changes_what_greedy_decoding_repeats(gw):
     penalised = gw.openai().chat.completions.create(**body, frequency_penalty=2.0)
     ids = [Interaction.objects.get(pk=c.id).outputs[0]["output_ids"] for c in (plain, penalised)]
     assert len(set(ids[1])) > len(set(ids[0]))  # the penalty pushes away from repeated tokens
+
+
+def test_n_streamed_choices_each_record_what_was_streamed_for_them(gw, chat_tokenizer):
+    chunks = list(
+        gw.openai().chat.completions.create(
+            model=gw.model, messages=HI, max_tokens=10, seed=4, n=2, stream=True
+        )
+    )
+    streamed = ["", ""]
+    for c in chunks:
+        for choice in c.choices:
+            streamed[choice.index] += choice.delta.content or ""
+    recorded = Interaction.objects.get(pk=chunks[0].id)
+    messages = [choice["message"]["content"] for choice in recorded.response["choices"]]
+    assert messages == streamed
+    assert [chat_tokenizer.decode(out["output_ids"]) for out in recorded.outputs] == streamed
+    finishes = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert sorted(f.index for f in finishes) == [0, 1]
