@@ -185,3 +185,23 @@ def test_a_streamed_tool_call_with_logprobs_leaks_no_markup_and_no_stop_token(to
     assert recorded.response["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == (
         "get_weather"
     )
+
+
+def test_a_streamed_replay_of_a_tool_call_with_logprobs_sends_no_markup_as_content(tools_gw):
+    _, key = tools_gw.start_session()
+    client = tools_gw.openai(key)
+    body = {
+        "model": tools_gw.model,
+        "messages": TOOL_MESSAGES,
+        "tools": TOOLS,
+        "temperature": 0,
+        "max_tokens": 120,
+        "logprobs": True,
+    }
+    first = client.chat.completions.create(**body)
+    chunks = list(client.chat.completions.create(**body, stream=True))  # the same request again
+    assert {c.id for c in chunks} == {first.id}  # replayed, not generated again
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "<tool_call>" not in content and "<|im_end|>" not in content
+    calls = [call for c in chunks if c.choices for call in (c.choices[0].delta.tool_calls or [])]
+    assert [c.function.name for c in calls] == ["get_weather"]

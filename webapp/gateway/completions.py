@@ -356,17 +356,18 @@ async def _sse(chat: ChatRequest, response: dict):
         )
         logprob_items = (choice.get("logprobs") or {}).get("content") or []
         if logprob_items:
-            for item in logprob_items:
-                yield chunk(
-                    [
-                        {
-                            "index": index,
-                            "delta": {"content": item["token"]},
-                            "logprobs": {"content": [item], "refusal": None},
-                            "finish_reason": None,
-                        }
-                    ]
-                )
+            # One chunk: the content as answered (a token's text may be markup or the stop
+            # token, which never go out as content) with the recorded entries.
+            yield chunk(
+                [
+                    {
+                        "index": index,
+                        "delta": {"content": message.get("content") or ""},
+                        "logprobs": {"content": logprob_items, "refusal": None},
+                        "finish_reason": None,
+                    }
+                ]
+            )
         elif message.get("content"):
             for piece in _pieces(message["content"]):
                 yield chunk(
