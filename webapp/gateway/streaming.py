@@ -52,6 +52,7 @@ class ChoiceText:
         self.top: list[list[tuple[float, int]]] = []
         self.ends: list[int] = []  # where each token's text ends in ``text``
         self.text = ""
+        self.prefix = self.read = 0  # the decoding window (``_decode``)
         self.sent = 0  # characters of ``text`` sent as content
         self.sent_tokens = 0  # tokens whose logprob entries were sent
         self.extra = ""  # content sent after the tool calls (text around the markup)
@@ -61,14 +62,14 @@ class ChoiceText:
     def add(self, chunk: GenerateChunk) -> None:
         for token in chunk.output_ids:
             self.ids.append(token)
-            # The whole text each time: a token can complete a character its predecessor began.
-            self.text = storable_text(self.tok.decode(self.ids))
             self.ends.append(len(self.text))
+            self._decode(final=False)
         self.logprobs += chunk.output_logprobs
         self.versions += chunk.versions
         if chunk.top_logprobs:
             self.top += chunk.top_logprobs
         if chunk.finish_reason is not None:
+            self._decode(final=True)
             self.finish = chunk.finish_reason
             self.stop_token = (
                 chunk.finish_reason == "stop"
@@ -76,6 +77,23 @@ class ChoiceText:
                 and bool(self.ids)
                 and self.ids[-1] == chunk.matched_stop
             )
+
+    def _decode(self, *, final: bool) -> None:
+        """Extend ``text`` by what the newest tokens complete.
+
+        Incremental detokenization as vLLM's: the tokens since ``prefix`` are decoded, and
+        what they add to the text of ``prefix:read`` is new; a short window instead of the
+        whole answer per token, which would be quadratic in its length. A token that ends
+        inside a character (it decodes to U+FFFD) waits for the next, except at the end.
+        """
+        before = self.tok.decode(self.ids[self.prefix : self.read])
+        after = self.tok.decode(self.ids[self.prefix :])
+        if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
+            return
+        self.text += storable_text(after[len(before) :])
+        for k in range(self.read, len(self.ids)):  # the tokens that waited end here
+            self.ends[k] = len(self.text)
+        self.prefix, self.read = self.read, len(self.ids)
 
     def _cut(self) -> int | None:
         """Where the content ends for sure: the first stop string or tool-call opener."""
