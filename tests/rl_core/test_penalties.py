@@ -27,3 +27,31 @@ def test_no_penalty_and_no_history_leave_the_logits_alone():
     assert not penalised(SamplingParams())
     assert penalised(SamplingParams(repetition_penalty=1.1))
     assert apply_penalties(logits, [], SamplingParams(frequency_penalty=1.0)) is logits
+
+
+async def test_the_engine_reports_the_logprob_of_the_penalised_distribution_it_sampled(
+    torch_engine, tiny_model_dir, reference
+):
+    from rl_core.inference import InferenceClient
+
+    prompt = [72, 101, 108, 108, 111, 44, 32]
+    params = {"frequency_penalty": 1.5, "presence_penalty": 0.5, "repetition_penalty": 1.3}
+    async with InferenceClient(torch_engine.url) as client:
+        result = await client.generate(
+            prompt,
+            {"max_new_tokens": 12, "temperature": 0.7, "sampling_seed": 4, **params},
+        )
+    ids = torch.tensor([prompt + result.output_ids])
+    with torch.no_grad():
+        logits = reference.model(tiny_model_dir)(ids).logits[0, len(prompt) - 1 : -1].float()
+    expected = []
+    sampling = SamplingParams(**params)
+    for position, token in enumerate(result.output_ids):  # penalties, then temperature
+        row = apply_penalties(logits[position], result.output_ids[:position], sampling)
+        expected.append(torch.log_softmax(row / 0.7, dim=-1)[token])
+    torch.testing.assert_close(
+        torch.tensor(result.output_logprobs), torch.stack(expected), atol=1e-4, rtol=1e-4
+    )
+    # ... which is not what the trainer's unpenalised recomputation gives (the rule's reason)
+    plain = reference.logprobs(tiny_model_dir, prompt, result.output_ids, temperature=0.7)
+    assert not torch.allclose(torch.tensor(result.output_logprobs), plain, atol=1e-3)
