@@ -29,12 +29,16 @@ def _stream(tok, text: str, *, stop_token: bool = True, **request) -> tuple[Choi
     return choice, sent
 
 
-def test_a_character_split_over_tokens_goes_out_whole(chat_tokenizer):
+def test_a_character_split_over_tokens_goes_out_whole_with_its_tokens_entries(chat_tokenizer):
     choice, sent = _stream(chat_tokenizer, "héllo wörld")
     pieces = [piece for piece, _ in sent]
     assert "".join(pieces) == "héllo wörld"
     assert not any("\ufffd" in piece for piece in pieces)
-    assert len(choice.ids) > len("héllo wörld")  # the accents took two tokens each
+    assert len(choice.ids) > len("héllo wörld") + 1  # the accents took two tokens each
+    # Each entry goes with the piece that completes its token's text: é's two with "é".
+    assert [len(batch) for piece, batch in sent][:3] == [1, 0, 2]
+    entries = [entry["logprob"] for _, batch in sent for entry in batch]
+    assert entries == choice.logprobs[:-1]
 
 
 def test_the_stop_token_has_neither_text_nor_a_logprob_entry(chat_tokenizer):

@@ -62,7 +62,7 @@ class ChoiceText:
     def add(self, chunk: GenerateChunk) -> None:
         for token in chunk.output_ids:
             self.ids.append(token)
-            self.ends.append(len(self.text))
+            self.ends.append(-1)  # until its text is decoded
             self._decode(final=False)
         self.logprobs += chunk.output_logprobs
         self.versions += chunk.versions
@@ -88,9 +88,10 @@ class ChoiceText:
         """
         before = self.tok.decode(self.ids[self.prefix : self.read])
         after = self.tok.decode(self.ids[self.prefix :])
-        if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
+        if len(after) > len(before) and (final or not after.endswith("\ufffd")):
+            self.text += storable_text(after[len(before) :])
+        elif not final:
             return
-        self.text += storable_text(after[len(before) :])
         for k in range(self.read, len(self.ids)):  # the tokens that waited end here
             self.ends[k] = len(self.text)
         self.prefix, self.read = self.read, len(self.ids)
@@ -137,10 +138,10 @@ class ChoiceText:
         entries = []
         while self.sent_tokens < last:
             k = self.sent_tokens
-            start = self.ends[k - 1] if k else 0
+            end, start = self.ends[k], self.ends[k - 1] if k else 0
             # A token goes with the chunk that completes its text; at the end, every token
-            # that began inside the content goes, the markup's and the stop token's do not.
-            if not (self.ends[k] <= self.sent if not final else start < self.sent):
+            # that began inside the content goes too, the markup's and the stop token's do not.
+            if end < 0 or not (end <= self.sent or (final and start < self.sent)):
                 break
             entries.append(self._entry(k))
             self.sent_tokens += 1
