@@ -250,14 +250,20 @@ class CompletionStream:
         """Role chunks, content deltas as tokens arrive, then the recorded finish, usage, [DONE]."""
         recorded = False
         try:
-            for index in range(self.chat.n):
-                yield self._delta(index, {"role": "assistant", "content": ""})
+            # The role chunks go out with the first content: one write less before the first token.
+            head = b"".join(
+                self._delta(index, {"role": "assistant", "content": ""})
+                for index in range(self.chat.n)
+            )
             async for index, chunk in self.generation.chunks():
                 choice = self.choices[index]
                 choice.add(chunk)
                 event = self._content(index, *choice.step(chunk.finish_reason is not None))
                 if event is not None:
-                    yield event
+                    yield head + event
+                    head = b""
+            if head:
+                yield head
             calls = []
             for index, choice in enumerate(self.choices):
                 found, extra = choice.tool_calls()
