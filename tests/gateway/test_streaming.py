@@ -193,3 +193,26 @@ def test_n_streamed_choices_each_record_what_was_streamed_for_them(gw, chat_toke
     assert [chat_tokenizer.decode(out["output_ids"]) for out in recorded.outputs] == streamed
     finishes = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason]
     assert sorted(f.index for f in finishes) == [0, 1]
+
+
+def test_a_client_gone_mid_stream_of_n_choices_aborts_each_of_them(gw, engine, http):
+    aborted_before = _engine_state(engine)["num_aborted_reqs"]
+    body = {"model": gw.model, "messages": HI, "max_tokens": 400, "n": 2, "stream": True}
+    with _slow(engine):
+        with http.stream(
+            "POST",
+            gw.base_url + "/chat/completions",
+            json=body,
+            headers={"Authorization": f"Bearer {gw.key}"},
+        ) as response:
+            lines = response.iter_lines()
+            interaction_id = json.loads(next(line for line in lines if line)[6:])["id"]
+        turn = _wait_for(
+            lambda: Interaction.objects.filter(pk=interaction_id).first(), "the aborted turn"
+        )
+        _wait_for(
+            lambda: _engine_state(engine)["num_aborted_reqs"] == aborted_before + 2,
+            "both engine requests aborted",
+        )
+    assert [out.get("aborted") for out in turn.outputs] == [True, True]
+    assert session_trajectories(turn.session) == []

@@ -154,6 +154,7 @@ class StreamingGeneration:
         self.rids, self.firsts, self.streams, self.version = rids, firsts, streams, version
         self.done = [first.finish_reason is not None for first in firsts]
         self.closed = False
+        self._pumps: list[asyncio.Future] = []  # n > 1: one task reading each stream
 
     async def chunks(self):
         try:
@@ -181,7 +182,7 @@ class StreamingGeneration:
                 queue.put_nowait((index, None, exc))
             queue.put_nowait((index, None, None))
 
-        pumps = [asyncio.ensure_future(pump(index)) for index in live]
+        self._pumps = [asyncio.ensure_future(pump(index)) for index in live]
         try:
             remaining = len(live)
             while remaining:
@@ -194,8 +195,15 @@ class StreamingGeneration:
                 self.done[index] = chunk.finish_reason is not None
                 yield index, chunk
         finally:
-            for task in pumps:
-                task.cancel()
+            await self._stop_pumps()
+
+    async def _stop_pumps(self) -> None:
+        # A stream a pump is still reading cannot be closed from here: end the pumps first.
+        pumps, self._pumps = self._pumps, []
+        for task in pumps:
+            task.cancel()
+        if pumps:
+            await asyncio.gather(*pumps, return_exceptions=True)
 
     async def abort(self) -> None:
         """Abort the unfinished samples on the engine; never raises."""
@@ -212,6 +220,7 @@ class StreamingGeneration:
             return
         self.closed = True
         CACHES.in_flight[self.server_url] -= len(self.streams)
+        await self._stop_pumps()
         for stream in self.streams:
             await stream.aclose()
 
