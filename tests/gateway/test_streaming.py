@@ -216,3 +216,26 @@ def test_a_client_gone_mid_stream_of_n_choices_aborts_each_of_them(gw, engine, h
         )
     assert [out.get("aborted") for out in turn.outputs] == [True, True]
     assert session_trajectories(turn.session) == []
+
+
+def test_a_stream_fails_over_from_a_dead_server_before_its_first_token(
+    make_gateway, project, api_key, engine
+):
+    from tests.gateway.test_inference_servers import _dead_url
+
+    gw = make_gateway(project, api_key, servers=[_dead_url(), engine.url])
+    chunks = list(
+        gw.openai().chat.completions.create(model=gw.model, messages=HI, max_tokens=3, stream=True)
+    )
+    assert Interaction.objects.get(pk=chunks[0].id).server_url == engine.url
+
+
+def test_a_stream_with_every_server_dead_is_a_503_before_any_event(
+    make_gateway, project, api_key, openai_error
+):
+    from tests.gateway.test_inference_servers import _dead_url
+
+    gw = make_gateway(project, api_key, servers=[_dead_url()])
+    response = gw.post("/chat/completions", {"messages": HI, "stream": True})
+    assert openai_error(response, 503)["code"] == "inference_unavailable"
+    assert not Session.objects.exists() and not Interaction.objects.exists()
