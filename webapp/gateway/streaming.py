@@ -55,7 +55,6 @@ class ChoiceText:
         self.prefix = self.read = 0  # the decoding window (``_decode``)
         self.sent = 0  # characters of ``text`` sent as content
         self.sent_tokens = 0  # tokens whose logprob entries were sent
-        self.extra = ""  # content sent after the tool calls (text around the markup)
         self.finish: str | None = None
         self.stop_token = False  # the last token is the stop token: neither text nor logprob
 
@@ -98,12 +97,11 @@ class ChoiceText:
 
     def _cut(self) -> int | None:
         """Where the content ends for sure: the first stop string or tool-call opener."""
-        found = [self.text.find(s) for s in self.openers if s in self.text]
-        return min(found) if found else None
+        return _first(self.text, self.openers, self.sent)
 
     def _stop_cut(self) -> int:
-        found = [self.text.find(s) for s in self.stops if s in self.text]
-        return min(found) if found else len(self.text)
+        cut = _first(self.text, self.stops, self.sent)
+        return len(self.text) if cut is None else cut
 
     def sendable(self) -> int:
         """How much of the text can go out now, without what the next tokens may change."""
@@ -360,6 +358,13 @@ class CompletionStream:
             if self.turn.opened:
                 with contextlib.suppress(GatewayError):
                     await self.db(turns.discard(turn=self.turn), durable=False)
+
+
+def _first(text: str, needles: list[str], start: int) -> int | None:
+    # Nothing sent can hold the start of one (it was held back), so the search starts there:
+    # a scan of the new text per token, not of the whole answer.
+    found = [at for at in (text.find(needle, start) for needle in needles) if at >= 0]
+    return min(found) if found else None
 
 
 def _engine_error(exc: InferenceError) -> GatewayError:
