@@ -3,7 +3,9 @@
 ``chat_completion`` takes the request's parts (agent id, headers, body bytes) and returns a
 ``Reply``; the ASGI fast route (``webapp.gateway.asgi``) and the Django view both call it.
 Its database work is two lane operations (``webapp.gateway.turns``): authenticate and
-admit, then record the turn durably before the reply goes out.
+admit, then record the turn durably before the reply goes out. A ``stream: true`` request
+hands the turn to ``webapp.gateway.streaming`` once its first tokens are in: the stream
+sends them as they come and records the turn before its finish chunks and ``[DONE]``.
 """
 
 from __future__ import annotations
