@@ -29,6 +29,11 @@ rows written are counted against the answers acknowledged.
     .venv/bin/python bench/gateway.py                     # everything, ~7 minutes
     .venv/bin/python bench/gateway.py --targets direct,steep --database sqlite --duration 5
     .venv/bin/python bench/gateway.py --workload sessions      # agents' episodes, ~10 minutes
+    .venv/bin/python bench/gateway.py --workload ttft          # streaming: time to first token
+
+``--workload ttft`` (issue #15, ``bench/ttft.py``): the stand-in takes ``--token-delay-ms`` per
+token and streams; time to first token and completions/s through Steep (streamed and not)
+against the stand-in's own streamed ``/generate``, at 1 and 64 clients.
 
 The peers' venvs are created under ``.steep/bench-venvs/`` on first use (idempotent);
 each run's files (databases, logs, wrk scripts, results.json) go to
@@ -59,7 +64,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench import sessions_load  # noqa: E402
+from bench import sessions_load, ttft  # noqa: E402
 from bench.sessions_load import LoadConfig, SessionsCell, run_load  # noqa: E402
 from tests.livestack import LiveStack, answers, free_port, run_checked, steep_env  # noqa: E402
 
@@ -268,9 +273,11 @@ class Bench:
     # stand-in
     def start_standin(self) -> None:
         self.standin_port = free_port()
-        proc = self.processes.start(
-            "standin", [str(STEEP_PYTHON), "bench/standin.py", "--port", str(self.standin_port)]
-        )
+        command = [str(STEEP_PYTHON), "bench/standin.py", "--port", str(self.standin_port)]
+        if self.args.workload == "ttft":
+            command += ["--tokens", str(self.args.tokens)]
+            command += ["--token-delay-ms", str(self.args.token_delay_ms)]
+        proc = self.processes.start("standin", command)
         self.wait_ready(proc, f"{self.standin_url}/health", what="stand-in", timeout=30)
 
     @property
@@ -803,6 +810,14 @@ WORKLOAD_DEFAULTS = {  # what an option left out means, by workload
     "sessions": dict(
         duration=8, warmup=2, targets="direct,steep,litellm", steep_workers="1", litellm_workers="1"
     ),
+    "ttft": dict(
+        duration=5,
+        warmup=1,
+        targets="direct,steep",
+        steep_workers="1",
+        litellm_workers="1",
+        conns="1,64",
+    ),
 }
 
 
@@ -823,7 +838,14 @@ def parse_args(argv=None):
         type=float,
         help="seconds of unmeasured load before each cell (default 3; sessions 2)",
     )
-    p.add_argument("--conns", default="1,16,64", help="connection counts (default 1,16,64)")
+    p.add_argument("--conns", help="connection counts (default 1,16,64; ttft 1,64)")
+    p.add_argument("--tokens", type=int, default=32, help="ttft: tokens per answer (default 32)")
+    p.add_argument(
+        "--token-delay-ms",
+        type=float,
+        default=5.0,
+        help="ttft: the stand-in's time per token (default 5)",
+    )
     p.add_argument(
         "--agents", default="1,64,200", help="sessions: agents at once (default 1,64,200)"
     )
@@ -861,6 +883,8 @@ def parse_args(argv=None):
         "--json", type=Path, help="also write the results here (always written to the run folder)"
     )
     args = p.parse_args(argv)
+    if args.conns is None:
+        args.conns = WORKLOAD_DEFAULTS[args.workload].get("conns", "1,16,64")
     for name, value in WORKLOAD_DEFAULTS[args.workload].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -892,6 +916,8 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     sessions = args.workload == "sessions"
+    if args.workload == "ttft":
+        return main_ttft(args, argv)
     if not sessions and shutil.which("wrk") is None:
         print("wrk is not installed (apt-get install wrk).", file=sys.stderr)
         return 2
@@ -984,6 +1010,66 @@ def main(argv=None) -> int:
         args.json.write_text(json.dumps(payload, indent=2))
     log(f"results in {workdir.relative_to(ROOT)}/results.json")
     return 1 if failures else 0
+
+
+def main_ttft(args, argv) -> int:
+    """``--workload ttft``: Steep (SQLite, one worker) and the streaming stand-in; see bench/ttft.py."""
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    workdir = RUNS / f"gateway-ttft-{stamp}"
+    workdir.mkdir(parents=True, exist_ok=True)
+    meta = machine()
+    meta.update(
+        date=dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        command="python bench/gateway.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        tokens=args.tokens,
+        token_delay_ms=args.token_delay_ms,
+    )
+    bench = Bench(args, workdir)
+    atexit.register(bench.processes.stop)
+    try:
+        bench.start_standin()
+        with bench.steep_server("sqlite", 1) as server:
+            cells = ttft.measure(
+                standin_url=bench.standin_url,
+                chat_url=f"{server.base}/chat/completions",
+                key=server.key,
+                conns=args.conns,
+                duration=args.duration,
+                warmup=args.warmup,
+                tokens=args.tokens,
+                log=log,
+            )
+            if args.profile:  # the streamed cell at the most clients again, under py-spy
+                bench.spy(
+                    server.proc,
+                    "steep-ttft-stream",
+                    lambda seconds: ttft.measure(
+                        standin_url=bench.standin_url,
+                        chat_url=f"{server.base}/chat/completions",
+                        key=server.key,
+                        conns=[max(args.conns)],
+                        duration=seconds,
+                        warmup=0,
+                        tokens=args.tokens,
+                        log=log,
+                        targets=("Steep, stream",),
+                    ),
+                )
+    finally:
+        bench.processes.stop()
+    meta["loadavg_after"] = os.getloadavg()
+    header = (
+        f"Machine: {meta['cpus']} CPUs ({meta['cpu']}), Python {meta['python']}; {meta['date']}; "
+        f"stand-in {args.tokens} tokens at {args.token_delay_ms:g} ms each; {args.duration:g} s per "
+        f"cell after {args.warmup:g} s warm-up; load average before {meta['loadavg_before'][0]:.2f}, "
+        f"after {meta['loadavg_after'][0]:.2f}."
+    )
+    text = ttft.report(cells)
+    print(header + "\n\n" + text)
+    payload = {"meta": meta, "results": [c.as_json() for c in cells]}
+    (workdir / "results.json").write_text(json.dumps(payload, indent=2))
+    (workdir / "report.md").write_text(header + "\n\n" + text)
+    return 0
 
 
 if __name__ == "__main__":

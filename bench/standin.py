@@ -20,9 +20,14 @@ proxies speak to an engine:
 It is a raw asyncio protocol (uvloop when installed) with a minimal HTTP/1.1
 parser: keep-alive, ``Content-Length`` and chunked bodies, pipelining. No
 framework, so that the proxies in front of it, not the stand-in, are measured.
-Streaming (``"stream": true``) is not implemented and answers 400.
+OpenAI chat streaming is not implemented and answers 400. With ``--token-delay-ms D``
+``/generate`` takes ``D`` ms per output token (a decode step), and ``"stream": true`` on it
+answers SGLang's cumulative SSE (``data: {...}`` per token, each carrying the whole output
+so far, then ``data: [DONE]``), chunked: what the TTFT benchmark (``bench/ttft.py``) needs.
+A delayed request is answered by a task, so it must not be pipelined behind another.
 
-Usage: ``python bench/standin.py --port 31000 [--tokens 8]``. Stdlib only (uvloop optional).
+Usage: ``python bench/standin.py --port 31000 [--tokens 8] [--token-delay-ms 0]``. Stdlib only
+(uvloop optional).
 """
 
 from __future__ import annotations
@@ -71,12 +76,22 @@ def _output(n: int) -> tuple[list[int], str]:
 
 
 def generate(body: dict, tokens: int) -> bytes:
-    params = body.get("sampling_params") or {}
-    max_new = params.get("max_new_tokens")
-    n = tokens if max_new is None else max(0, min(int(max_new), tokens))
+    return _response(200, json.dumps(_generated(body, tokens, _count(body, tokens))).encode())
+
+
+def _count(body: dict, tokens: int) -> int:
+    max_new = (body.get("sampling_params") or {}).get("max_new_tokens")
+    return tokens if max_new is None else max(0, min(int(max_new), tokens))
+
+
+def _generated(body: dict, tokens: int, n: int, *, done: bool = True) -> dict:
+    """The /generate answer after ``n`` tokens (``done``: with its finish_reason)."""
+    max_new = (body.get("sampling_params") or {}).get("max_new_tokens")
     ids, text = _output(n)
     finish = (
-        {"type": "length", "length": n}
+        None
+        if not done
+        else {"type": "length", "length": n}
         if max_new is not None and n == int(max_new)
         else {"type": "stop", "matched": None}
     )
@@ -94,10 +109,27 @@ def generate(body: dict, tokens: int) -> bytes:
         meta["input_token_logprobs"] = []
     if body.get("top_logprobs_num"):
         meta["output_top_logprobs"] = [[[LOGPROB, t, None]] for t in ids]
-    return _response(
-        200,
-        json.dumps({"text": text, "output_ids": ids, "meta_info": meta}).encode(),
+    return {"text": text, "output_ids": ids, "meta_info": meta}
+
+
+async def generate_slowly(transport, body: dict, tokens: int, delay: float) -> None:
+    """``/generate`` at ``delay`` seconds per token: one answer at the end, or SSE per token."""
+    n = _count(body, tokens)
+    if not body.get("stream"):
+        await asyncio.sleep(delay * n)
+        transport.write(_response(200, json.dumps(_generated(body, tokens, n)).encode()))
+        return
+    transport.write(
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
     )
+    for k in range(1, n + 1):
+        await asyncio.sleep(delay)
+        if transport.is_closing():
+            return
+        event = b"data: " + json.dumps(_generated(body, tokens, k, done=k == n)).encode() + b"\n\n"
+        transport.write(b"%x\r\n%s\r\n" % (len(event), event))
+    done = b"data: [DONE]\n\n"
+    transport.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
 
 
 def start_session() -> bytes:
@@ -209,10 +241,11 @@ class Stats:
 
 
 class HTTPProtocol(asyncio.Protocol):
-    __slots__ = ("transport", "buffer", "tokens")
+    __slots__ = ("transport", "buffer", "tokens", "delay")
 
-    def __init__(self, tokens: int):
+    def __init__(self, tokens: int, delay: float = 0.0):
         self.tokens = tokens
+        self.delay = delay
         self.buffer = b""
         self.transport: asyncio.Transport | None = None
 
@@ -256,6 +289,15 @@ class HTTPProtocol(asyncio.Protocol):
                 body = b""
                 buffer = buffer[start:]
             close = b"\r\nconnection: close" in lower
+            if self.delay and method == b"POST" and target.split(b"?", 1)[0] == b"/generate":
+                if out:
+                    self.transport.write(b"".join(out))
+                    out = []
+                asyncio.ensure_future(
+                    generate_slowly(self.transport, json.loads(body), self.tokens, self.delay)
+                )
+                Stats.requests += 1
+                continue
             out.append(self.handle(method, target, body))
             Stats.requests += 1
             if close:
@@ -323,10 +365,10 @@ def _dechunk(buffer: bytes, start: int) -> tuple[bytes, int] | None:
         pos += size + 2
 
 
-async def serve(host: str, port: int, tokens: int) -> None:
+async def serve(host: str, port: int, tokens: int, delay: float = 0.0) -> None:
     loop = asyncio.get_running_loop()
     server = await loop.create_server(
-        lambda: HTTPProtocol(tokens), host, port, reuse_address=True, backlog=4096
+        lambda: HTTPProtocol(tokens, delay), host, port, reuse_address=True, backlog=4096
     )
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -343,13 +385,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--tokens", type=int, default=len(OUTPUT_IDS), help="output tokens per answer"
     )
+    parser.add_argument(
+        "--token-delay-ms",
+        type=float,
+        default=0.0,
+        help="/generate takes this long per output token (and can stream); default 0",
+    )
     args = parser.parse_args(argv)
+    served = serve(args.host, args.port, args.tokens, args.token_delay_ms / 1000)
     try:
         import uvloop
     except ImportError:
-        asyncio.run(serve(args.host, args.port, args.tokens))
+        asyncio.run(served)
     else:
-        uvloop.run(serve(args.host, args.port, args.tokens))
+        uvloop.run(served)
 
 
 if __name__ == "__main__":

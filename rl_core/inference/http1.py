@@ -5,7 +5,8 @@ general-purpose client's per-request work (httpx, aiohttp) was a large share of 
 gateway's CPU and of its added latency (docs/benchmarks.md). This client does only what
 that call needs: one origin, ``POST`` with a ``Content-Length`` body, responses with
 ``Content-Length`` or chunked bodies (parsed by ``httptools``, the parser uvicorn uses),
-keep-alive with a pool of idle connections, and HTTPS through ``ssl``.
+keep-alive with a pool of idle connections, and HTTPS through ``ssl``. ``post_stream``
+yields a response body piece by piece as it arrives (a streamed ``/generate``'s SSE).
 
 There is no read timeout: a generation may legitimately wait through a pause and a
 weight update. A request written to a kept-alive connection that the server closed at
@@ -39,6 +40,8 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self.keep_alive = True
         self.idle_since = 0.0
+        # While streaming: the status, then body pieces, then None (or an exception), in order.
+        self.pieces: asyncio.Queue | None = None
 
     # asyncio.Protocol
     def connection_made(self, transport) -> None:
@@ -57,21 +60,34 @@ class _Connection(asyncio.Protocol):
         self._fail(HTTPConnectionError(f"connection closed by the server ({exc or 'EOF'})"))
 
     # httptools callbacks
+    def on_headers_complete(self) -> None:
+        if self.pieces is not None:
+            self.pieces.put_nowait(self.parser.get_status_code())
+
     def on_body(self, body: bytes) -> None:
-        self.body.append(body)
+        if self.pieces is not None:
+            self.pieces.put_nowait(body)
+        else:
+            self.body.append(body)
 
     def on_message_complete(self) -> None:
         self.keep_alive = self.parser.should_keep_alive()
+        if self.pieces is not None:
+            self.pieces.put_nowait(None)
+            return
         waiter, self.waiter = self.waiter, None
         if waiter is not None and not waiter.done():
             waiter.set_result((self.parser.get_status_code(), b"".join(self.body)))
 
     def _fail(self, exc: Exception) -> None:
+        if self.pieces is not None:
+            self.pieces.put_nowait(exc)
         waiter, self.waiter = self.waiter, None
         if waiter is not None and not waiter.done():
             waiter.set_exception(exc)
 
     def send(self, request: bytes) -> asyncio.Future:
+        self.pieces = None
         self.body = []
         self.received = False
         self.parser = httptools.HttpResponseParser(self)
@@ -79,6 +95,14 @@ class _Connection(asyncio.Protocol):
         assert self.transport is not None, "send() before the connection was made"
         self.transport.write(request)
         return self.waiter
+
+    def stream(self, request: bytes) -> asyncio.Queue:
+        self.pieces = asyncio.Queue()
+        self.received = False
+        self.parser = httptools.HttpResponseParser(self)
+        assert self.transport is not None, "stream() before the connection was made"
+        self.transport.write(request)
+        return self.pieces
 
     def close(self) -> None:
         self.closed = True
@@ -103,12 +127,52 @@ class Http1Pool:
         self.idle_timeout = idle_timeout
         self._idle: deque[_Connection] = deque()
 
-    async def post_json(self, path: str, body: bytes) -> tuple[int, bytes]:
-        """``(status, body)`` of ``POST {base_url}{path}`` with a JSON ``body``."""
-        request = (
+    def _request(self, path: str, body: bytes) -> bytes:
+        return (
             f"POST {self.prefix}{path} HTTP/1.1\r\nHost: {self.host_header}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
         ).encode("latin-1") + body
+
+    async def post_stream(self, path: str, body: bytes):
+        """``POST {base_url}{path}`` with a JSON ``body``: yields the status, then the body's
+        pieces as they arrive. Closing the generator early closes the connection (so the
+        server learns its client went away)."""
+        request = self._request(path, body)
+        for attempt in (1, 2):
+            connection, reused = await self._acquire()
+            pieces = connection.stream(request)
+            try:
+                first = await pieces.get()
+            except BaseException:  # cancelled before the answer began: the connection is spent
+                connection.close()
+                raise
+            if isinstance(first, Exception):
+                connection.close()
+                if reused and attempt == 1 and not connection.received:
+                    continue  # the server closed this idle connection as we reused it
+                raise first
+            finished = False
+            try:
+                yield first
+                while True:
+                    piece = await pieces.get()
+                    if piece is None:
+                        finished = True
+                        break
+                    if isinstance(piece, Exception):
+                        raise piece
+                    yield piece
+            finally:
+                connection.pieces = None
+                if finished:
+                    self._release(connection)
+                else:
+                    connection.close()
+            return
+
+    async def post_json(self, path: str, body: bytes) -> tuple[int, bytes]:
+        """``(status, body)`` of ``POST {base_url}{path}`` with a JSON ``body``."""
+        request = self._request(path, body)
         for attempt in (1, 2):
             connection, reused = await self._acquire()
             try:

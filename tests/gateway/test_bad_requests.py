@@ -87,6 +87,11 @@ BAD_CHATS = [
     (_chat(tools=[{"type": "function", "function": {}}]), "tools", "invalid_type"),
     (_chat(tool_choice="sometimes"), "tool_choice", "invalid_value"),
     (_chat(presence_penalty=3), "presence_penalty", "invalid_value"),
+    (_chat(frequency_penalty=-2.5), "frequency_penalty", "invalid_value"),
+    (_chat(repetition_penalty=0), "repetition_penalty", "invalid_value"),
+    (_chat(repetition_penalty=2.5), "repetition_penalty", "invalid_value"),
+    (_chat(min_p=1.5), "min_p", "invalid_value"),
+    (_chat(logit_bias={"50256": -100}), "logit_bias", "unsupported_parameter"),
 ]
 
 

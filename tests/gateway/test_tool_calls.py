@@ -158,3 +158,53 @@ def test_tool_choice_none_hides_the_tools_from_the_model(tools_gw):
 
 def _plain(messages: list) -> list[dict]:
     return [m if isinstance(m, dict) else m.model_dump(exclude_none=True) for m in messages]
+
+
+def test_a_streamed_tool_call_with_logprobs_leaks_no_markup_and_no_stop_token(tools_gw):
+    chunks = list(
+        tools_gw.openai().chat.completions.create(
+            model=tools_gw.model,
+            messages=TOOL_MESSAGES,
+            tools=TOOLS,
+            temperature=0,
+            max_tokens=120,
+            logprobs=True,
+            stream=True,
+        )
+    )
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    tokens = [
+        item.token
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for item in c.choices[0].logprobs.content
+    ]
+    # The answer is nothing but the call and <|im_end|>: no text, so no token to show.
+    assert (content, tokens) == ("", [])
+    calls = [call for c in chunks if c.choices for call in (c.choices[0].delta.tool_calls or [])]
+    assert [c.function.name for c in calls] == ["get_weather"]
+    recorded = Interaction.objects.get(pk=chunks[0].id)
+    assert recorded.outputs[0]["text"].startswith("<tool_call>")
+    assert recorded.response["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == (
+        "get_weather"
+    )
+
+
+def test_a_streamed_replay_of_a_tool_call_with_logprobs_sends_no_markup_as_content(tools_gw):
+    _, key = tools_gw.start_session()
+    client = tools_gw.openai(key)
+    body = {
+        "model": tools_gw.model,
+        "messages": TOOL_MESSAGES,
+        "tools": TOOLS,
+        "temperature": 0,
+        "max_tokens": 120,
+        "logprobs": True,
+    }
+    first = client.chat.completions.create(**body)
+    chunks = list(client.chat.completions.create(**body, stream=True))  # the same request again
+    assert {c.id for c in chunks} == {first.id}  # replayed, not generated again
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "<tool_call>" not in content and "<|im_end|>" not in content
+    calls = [call for c in chunks if c.choices for call in (c.choices[0].delta.tool_calls or [])]
+    assert [c.function.name for c in calls] == ["get_weather"]

@@ -177,3 +177,32 @@ def test_concurrent_requests_use_separate_connections_then_share_them():
 def test_rejects_non_http_urls():
     with pytest.raises(ValueError):
         Http1Pool("ftp://example.org")
+
+
+def test_a_streamed_body_arrives_piece_by_piece_and_its_connection_is_reused():
+    async def main():
+        async with Server(lambda body: chunked({"streamed": True})) as server:
+            pool = Http1Pool(server.url)
+            for _ in range(3):
+                stream = pool.post_stream("/g", b"{}")
+                assert await anext(stream) == 200
+                pieces = [piece async for piece in stream]
+                assert len(pieces) == 2 and json.loads(b"".join(pieces)) == {"streamed": True}
+            await pool.close()
+            return server.connections
+
+    assert run(main()) == 1
+
+
+def test_a_stream_closed_early_closes_its_connection():
+    async def main():
+        async with Server(lambda body: chunked({"streamed": True})) as server:
+            pool = Http1Pool(server.url)
+            stream = pool.post_stream("/g", b"{}")
+            assert await anext(stream) == 200
+            await stream.aclose()  # the client went away mid-answer: never reuse that connection
+            assert (await pool.post_json("/g", b"{}"))[0] == 200
+            await pool.close()
+            return server.connections
+
+    assert run(main()) == 2

@@ -363,3 +363,12 @@ def test_another_projects_session_is_404_under_ones_own_project(
     assert (
         member_client.get(f"/projects/{world.project.id}/sessions/not-a-uuid/").status_code == 404
     )
+
+
+def test_session_page_marks_an_aborted_turn_as_not_trained(member_client, world):
+    turn = world.live.interactions.get()
+    assert "aborted, not trained" not in page(member_client, session_url(world.project, world.live))
+    turn.outputs[0] |= {"aborted": True, "finish_reason": "abort"}
+    turn.save(update_fields=["outputs"])
+    body = page(member_client, session_url(world.project, world.live))
+    assert "aborted, not trained" in body and "(abort)" in body

@@ -279,7 +279,9 @@ def test_detail_has_every_turn_token_exact(api, recorded):
             "versions": out["versions"],
             "finish_reason": "stop",
             "text": out["text"],
+            "aborted": False,
         }
+        assert turn["aborted"] is False
     second = body["interactions"][1]
     assert second["prefix_reused"] is True
     assert second["messages"][-1] == {"role": "user", "content": "And times 3?"}

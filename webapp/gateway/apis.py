@@ -82,6 +82,9 @@ class ChoiceOutput(serializers.Serializer):
     )
     finish_reason = serializers.CharField(allow_null=True)
     text = serializers.CharField(allow_blank=True)
+    aborted = serializers.BooleanField(
+        default=False, help_text="The client went away mid-stream: kept, never trained."
+    )
 
 
 class InteractionOutput(serializers.Serializer):
@@ -104,6 +107,9 @@ class InteractionOutput(serializers.Serializer):
         help_text="The prompt extended the previous turn's exact tokens."
     )
     latency_ms = serializers.FloatField()
+    aborted = serializers.BooleanField(
+        help_text="The client went away mid-stream: the turn is kept and never trained."
+    )
     created_at = serializers.DateTimeField()
 
 

@@ -17,6 +17,8 @@ What the middleware did for these requests is done here too: the request id
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import re
 import time
 
@@ -133,7 +135,7 @@ async def _serve(scope, receive, send, name: str, agent_id: str, headers: dict[s
             reply = _refusal(name, _too_large())
         else:
             reply = await ENDPOINTS[name](agent_id, headers, body)
-    await _send(send, reply, request_id, _secure(scope, headers))
+    await _send(send, receive, reply, request_id, _secure(scope, headers))
     observability.log_request(scope["method"], scope["path"], reply.status, started)
 
 
@@ -196,7 +198,7 @@ def _response_headers(reply: Reply, request_id: str, secure: bool) -> list[tuple
     ]
 
 
-async def _send(send, reply: Reply, request_id: str, secure: bool) -> None:
+async def _send(send, receive, reply: Reply, request_id: str, secure: bool) -> None:
     await send(
         {
             "type": "http.response.start",
@@ -207,6 +209,32 @@ async def _send(send, reply: Reply, request_id: str, secure: bool) -> None:
     if reply.stream is None:
         await send({"type": "http.response.body", "body": reply.body})
         return
-    async for chunk in reply.stream:
-        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    await _send_stream(send, receive, reply.stream)
+
+
+async def _send_stream(send, receive, stream) -> None:
+    """Send an SSE body while watching for the client to go away; then the stream is cancelled
+    (and so learns it was abandoned: a streamed completion aborts its generation)."""
+    sending = asyncio.ensure_future(_send_chunks(send, stream))
+    gone = asyncio.ensure_future(_disconnected(receive))
+    try:
+        await asyncio.wait({sending, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not sending.done():
+            sending.cancel()
+        gone.cancel()
+        with contextlib.suppress(asyncio.CancelledError, OSError):
+            await sending
+
+
+async def _send_chunks(send, stream) -> None:
+    # A send that fails (the client went away) closes the stream, which then cleans up.
+    async with contextlib.aclosing(stream):
+        async for chunk in stream:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
     await send({"type": "http.response.body", "body": b""})
+
+
+async def _disconnected(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass

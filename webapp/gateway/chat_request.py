@@ -34,6 +34,8 @@ class ChatRequest:
     tool_choice: Any = "auto"
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # SGLang's and vLLM's extension, like top_k
+    min_p: float = 0.0  # SGLang's and vLLM's extension, like top_k
 
     @property
     def rendered_tools(self) -> list[dict] | None:
@@ -52,6 +54,10 @@ class ChatRequest:
                 self.n,
                 self.seed,
                 self.stop,
+                self.presence_penalty,
+                self.frequency_penalty,
+                self.repetition_penalty,
+                self.min_p,
             ],
         }
         return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
@@ -72,6 +78,10 @@ class ChatRequest:
             params["presence_penalty"] = self.presence_penalty
         if self.frequency_penalty:
             params["frequency_penalty"] = self.frequency_penalty
+        if self.repetition_penalty != 1.0:
+            params["repetition_penalty"] = self.repetition_penalty
+        if self.min_p:
+            params["min_p"] = self.min_p
         return params
 
 
@@ -218,6 +228,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
             "'tool_choice' must be 'none', 'auto', 'required' or an object naming a function.",
             param="tool_choice",
         )
+    _refuse_logit_bias(body)
     logprobs = _bool(body, "logprobs")
     top_logprobs = _integer(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS) or 0
     if top_logprobs and not logprobs:
@@ -239,7 +250,29 @@ def parse_chat_request(body: Any) -> ChatRequest:
         tool_choice=tool_choice,
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=_repetition_penalty(body),
+        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
     )
+
+
+def _repetition_penalty(body: dict) -> float:
+    value = _number(body, "repetition_penalty", 1.0, 0.0, 2.0)
+    if value == 0.0:
+        raise bad_request(
+            "'repetition_penalty' must be above 0 (1 is none); got 0.", param="repetition_penalty"
+        )
+    return value
+
+
+def _refuse_logit_bias(body: dict) -> None:
+    # Every logit_bias would need the tokenizer-level ids of this model and changes the
+    # sampled distribution in a way neither engine reports per token: refused, not ignored.
+    if body.get("logit_bias") not in (None, {}):
+        raise bad_request(
+            "'logit_bias' is not supported by this gateway; leave it out.",
+            param="logit_bias",
+            code="unsupported_parameter",
+        )
 
 
 # NUL, and the lone surrogates a JSON escape like "\ud800" yields: not text PostgreSQL (or UTF-8) can hold.

@@ -3,7 +3,9 @@
 ``chat_completion`` takes the request's parts (agent id, headers, body bytes) and returns a
 ``Reply``; the ASGI fast route (``webapp.gateway.asgi``) and the Django view both call it.
 Its database work is two lane operations (``webapp.gateway.turns``): authenticate and
-admit, then record the turn durably before the reply goes out.
+admit, then record the turn durably before the reply goes out. A ``stream: true`` request
+hands the turn to ``webapp.gateway.streaming`` once its first tokens are in: the stream
+sends them as they come and records the turn before its finish chunks and ``[DONE]``.
 """
 
 from __future__ import annotations
@@ -32,9 +34,10 @@ from webapp.gateway.chat_request import (
     storable_text,
 )
 from webapp.gateway.errors import GatewayError, bad_request
-from webapp.gateway.inference import generate
+from webapp.gateway.inference import generate, generate_stream
 from webapp.gateway.lane import LaneError, lane
 from webapp.gateway.prompts import Prompt, continued_choice, extend_prompt, fresh_prompt
+from webapp.gateway.streaming import CompletionStream
 
 
 @dataclass
@@ -146,22 +149,33 @@ async def _chat_completion(
     )
     if turn.replay is not None:
         return _respond(chat, turn.replay)
-    with inflight.IN_FLIGHT.track(attempt) as answered:
+    if chat.stream:
+        # A stream is not waited on by retries: its client going away aborts it, so an SDK
+        # retry after a timeout finds an aborted turn and generates anew.
         try:
-            response = await _generate_and_record(chat, turn, fingerprint, started, db)
+            answer = await _generate_and_record(chat, turn, fingerprint, started, db)
         except BaseException:
             if turn.opened:
                 await asyncio.shield(db(turns.discard(turn=turn), durable=False))
             raise
-        answered.set_result(response)
-    return _respond(chat, response)
+        return answer if isinstance(answer, Reply) else _respond(chat, answer)
+    with inflight.IN_FLIGHT.track(attempt) as answered:
+        try:
+            answer = await _generate_and_record(chat, turn, fingerprint, started, db)
+        except BaseException:
+            if turn.opened:
+                await asyncio.shield(db(turns.discard(turn=turn), durable=False))
+            raise
+        assert isinstance(answer, dict)  # only a stream answers with its SSE Reply
+        answered.set_result(answer)
+    return _respond(chat, answer)
 
 
 async def _generate_and_record(
     chat: ChatRequest, turn: turns.Turn, fingerprint: str, started: float, db
-) -> dict:
-    """Generate and record the turn; the response to send (the original's, for a retry that
-    overlapped it)."""
+) -> dict | Reply:
+    """Generate and record the turn: the recorded response, or for ``stream`` the SSE Reply
+    whose stream records the turn before its last events."""
     run, previous = turn.run, turn.previous
     tok = await _tokenizer(run.base_model)
     try:
@@ -170,26 +184,22 @@ async def _generate_and_record(
         raise bad_request(str(exc), param="messages") from None
     max_new = min(chat.max_tokens, settings.GATEWAY_MAX_NEW_TOKENS)
     sampling = chat.sampling_params(max_new_tokens=max_new, stop_token_ids=tok.eos_token_ids)
-    generation = await generate(
-        run_id=run.id,
-        sticky=turn.sticky_server,
-        input_ids=prompt.input_ids,
-        sampling_params=sampling,
-        n=chat.n,
-        seed=chat.seed,
-        top_logprobs=chat.top_logprobs,
+    engine_request = {
+        "run_id": run.id,
+        "sticky": turn.sticky_server,
+        "input_ids": prompt.input_ids,
+        "sampling_params": sampling,
+        "n": chat.n,
+        "seed": chat.seed,
+        "top_logprobs": chat.top_logprobs,
         # A LoRA run serves each policy version as its own adapter (rl_core.adapter_sync).
-        lora_path=current_adapter(
+        "lora_path": current_adapter(
             str(run.id),
             run.weight_version,
             lora_rank=int(run.config.get("lora_rank") or 0),
             init_checkpoint=run.config.get("init_checkpoint"),
         ),
-    )
-    interaction_id = f"chatcmpl-{new_hex()}"
-    response, outputs = _completion(
-        chat, tok, run.base_model, interaction_id, prompt.input_ids, generation.results
-    )
+    }
     # Which of the last turn's choices the conversation continued with; a branch continues
     # its parent's, which trajectory building reads off the messages.
     chosen = None
@@ -197,21 +207,43 @@ async def _generate_and_record(
         chosen = prompt.chosen
         if chosen is None and previous is not None:
             chosen = continued_choice(chat.messages, previous)
+    record = {
+        "request_hash": fingerprint,
+        "messages": chat.messages,
+        "tools": chat.tools,
+        "sampling": sampling | {"n": chat.n, "seed": chat.seed},
+        "input_ids": prompt.input_ids,
+        "prefix_reused": prompt.reused,
+        "previous_chosen": chosen,
+    }
+    interaction_id = f"chatcmpl-{new_hex()}"
+    if chat.stream:
+        # The stream owns the turn from here: it records it, or discards it on an error.
+        stream = CompletionStream(
+            chat=chat,
+            tok=tok,
+            generation=await generate_stream(**engine_request),
+            interaction_id=interaction_id,
+            model=model_id(run.base_model),
+            record=record,
+            started=started,
+            turn=turn,
+            db=db,
+        )
+        return _sse_reply(stream.events())
+    generation = await generate(**engine_request)
+    response, outputs = _completion(
+        chat, tok, run.base_model, interaction_id, prompt.input_ids, generation.results
+    )
     recorded = await db(
         turns.record(
             turn=turn,
             interaction_id=interaction_id,
-            request_hash=fingerprint,
-            messages=chat.messages,
-            tools=chat.tools,
-            sampling=sampling | {"n": chat.n, "seed": chat.seed},
-            input_ids=prompt.input_ids,
-            prefix_reused=prompt.reused,
             outputs=outputs,
             response=response,
             server_url=generation.server_url,
             latency_ms=(time.perf_counter() - started) * 1000,
-            previous_chosen=chosen,
+            **record,
         )
     )
     return recorded
@@ -255,9 +287,13 @@ def _is_retry(retry_count: str) -> bool:
 def _respond(chat: ChatRequest, response: dict) -> Reply:
     if not chat.stream:
         return Reply.json(response)
+    return _sse_reply(_sse(chat, response))
+
+
+def _sse_reply(stream: AsyncIterator[bytes]) -> Reply:
     return Reply(
         200,
-        stream=_sse(chat, response),
+        stream=stream,
         headers={
             "Content-Type": "text/event-stream",
             "Cache-Control": "no-cache",
@@ -347,7 +383,8 @@ def _logprobs(chat: ChatRequest, tok, result) -> dict:
 
 
 async def _sse(chat: ChatRequest, response: dict):
-    """OpenAI's chunk stream for a recorded completion: role, content pieces, finish, usage, [DONE]."""
+    """OpenAI's chunk stream replaying a recorded completion (an SDK retry of a streamed turn):
+    role, content pieces, finish, usage, [DONE]."""
 
     def chunk(choices: list[dict], usage=None) -> bytes:
         body = {
@@ -376,17 +413,18 @@ async def _sse(chat: ChatRequest, response: dict):
         )
         logprob_items = (choice.get("logprobs") or {}).get("content") or []
         if logprob_items:
-            for item in logprob_items:
-                yield chunk(
-                    [
-                        {
-                            "index": index,
-                            "delta": {"content": item["token"]},
-                            "logprobs": {"content": [item], "refusal": None},
-                            "finish_reason": None,
-                        }
-                    ]
-                )
+            # One chunk: the content as answered (a token's text may be markup or the stop
+            # token, which never go out as content) with the recorded entries.
+            yield chunk(
+                [
+                    {
+                        "index": index,
+                        "delta": {"content": message.get("content") or ""},
+                        "logprobs": {"content": logprob_items, "refusal": None},
+                        "finish_reason": None,
+                    }
+                ]
+            )
         elif message.get("content"):
             for piece in _pieces(message["content"]):
                 yield chunk(

@@ -140,3 +140,171 @@ async def generate(
         code="inference_unavailable",
         retry_after=5,
     )
+
+
+class StreamingGeneration:
+    """``n`` streamed samples on one server, each begun (its first chunk read) before any is sent.
+
+    ``chunks()`` yields ``(choice index, GenerateChunk)`` as the engine produces them; ``abort()``
+    asks the server to stop the unfinished ones (SGLang's ``abort_request`` by rid).
+    """
+
+    def __init__(self, run_id, url: str, client, rids: list[str], firsts, streams, version: int):
+        self.run_id, self.server_url, self.client = run_id, url, client
+        self.rids, self.firsts, self.streams, self.version = rids, firsts, streams, version
+        self.done = [first.finish_reason is not None for first in firsts]
+        self.closed = False
+        self._pumps: list[asyncio.Future] = []  # n > 1: one task reading each stream
+
+    async def chunks(self):
+        try:
+            for index, first in enumerate(self.firsts):
+                yield index, first
+            live = [i for i, done in enumerate(self.done) if not done]
+            if len(live) == 1:  # the usual n = 1: no task, no queue between engine and client
+                async for chunk in self.streams[live[0]]:
+                    self.done[live[0]] = chunk.finish_reason is not None
+                    yield live[0], chunk
+            elif live:
+                async for index, chunk in self._merged(live):
+                    yield index, chunk
+        finally:
+            await self.close()
+
+    async def _merged(self, live: list[int]):
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int) -> None:
+            try:
+                async for chunk in self.streams[index]:
+                    queue.put_nowait((index, chunk, None))
+            except Exception as exc:
+                queue.put_nowait((index, None, exc))
+            queue.put_nowait((index, None, None))
+
+        self._pumps = [asyncio.ensure_future(pump(index)) for index in live]
+        try:
+            remaining = len(live)
+            while remaining:
+                index, chunk, error = await queue.get()
+                if error is not None:
+                    raise error
+                if chunk is None:
+                    remaining -= 1
+                    continue
+                self.done[index] = chunk.finish_reason is not None
+                yield index, chunk
+        finally:
+            await self._stop_pumps()
+
+    async def _stop_pumps(self) -> None:
+        # A stream a pump is still reading cannot be closed from here: end the pumps first.
+        pumps, self._pumps = self._pumps, []
+        for task in pumps:
+            task.cancel()
+        if pumps:
+            await asyncio.gather(*pumps, return_exceptions=True)
+
+    async def abort(self) -> None:
+        """Abort the unfinished samples on the engine; never raises."""
+        for rid, done in zip(self.rids, self.done, strict=True):
+            if not done:
+                try:
+                    await self.client.abort_request(rid)
+                except (InferenceError, InferenceUnavailable):
+                    pass  # its stream closing ends it too (both engines abort on disconnect)
+        await self.close()
+
+    async def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        CACHES.in_flight[self.server_url] -= len(self.streams)
+        await self._stop_pumps()
+        for stream in self.streams:
+            await stream.aclose()
+
+
+async def generate_stream(
+    *,
+    run_id,
+    sticky: str,
+    input_ids: list[int],
+    sampling_params: dict,
+    n: int,
+    seed: int | None,
+    top_logprobs: int,
+    lora_path: str | None = None,
+) -> StreamingGeneration:
+    """Begin ``n`` streamed samples on one server (as ``generate`` picks it), failing over
+    while none has produced a token yet."""
+    candidates = await _candidates(run_id, sticky)
+    if not candidates:
+        raise _no_server()
+    last_error: Exception | None = None
+    for url, healthy in candidates:
+        client = _client(url)
+        CACHES.in_flight[url] += n
+        rids, streams = [], []
+        for index in range(n):
+            params = dict(sampling_params)
+            if seed is not None:
+                params["sampling_seed"] = seed + index
+            rids.append(_request_id())
+            streams.append(
+                client.generate_stream(
+                    input_ids,
+                    params,
+                    rid=rids[-1],
+                    top_logprobs_num=top_logprobs,
+                    lora_path=lora_path,
+                )
+            )
+        try:
+            if n == 1:  # in this task: the stream's connection is then used by one task only
+                firsts = [await anext(streams[0])]
+            else:
+                firsts = list(await asyncio.gather(*(anext(stream) for stream in streams)))
+        except BaseException as exc:
+            CACHES.in_flight[url] -= n
+            for stream in streams:
+                await stream.aclose()
+            if (
+                isinstance(exc, InferenceError)
+                and exc.status is not None
+                and 400 <= exc.status < 500
+            ):
+                raise GatewayError(
+                    400, f"The inference server rejected the request: {exc}", code="invalid_request"
+                ) from None
+            if not isinstance(exc, InferenceError | InferenceUnavailable):
+                raise
+            last_error = exc
+            await _mark_down(run_id, url)
+            continue
+        if not healthy:
+            CACHES.servers.pop(run_id, None)
+            await sync_to_async(inference_server_mark_up, thread_sensitive=False)(
+                run_id=run_id, url=url
+            )
+        version = max((max(f.versions, default=0) for f in firsts), default=0)
+        return StreamingGeneration(run_id, url, client, rids, firsts, streams, version)
+    raise _all_failed(last_error)
+
+
+def _no_server() -> GatewayError:
+    return GatewayError(
+        503,
+        "No inference server is up for this run yet; it is starting or has stopped. Retry shortly.",
+        code="no_inference_server",
+        retry_after=5,
+    )
+
+
+def _all_failed(last_error: Exception | None) -> GatewayError:
+    return GatewayError(
+        503,
+        f"Every inference server of this run failed ({last_error}). Retry shortly.",
+        code="inference_unavailable",
+        retry_after=5,
+    )

@@ -146,6 +146,11 @@ class Interaction(models.Model):
         }
 
     @property
+    def aborted(self) -> bool:
+        """The client went away mid-stream: the turn is kept, never trained (``webapp.gateway.streaming``)."""
+        return any(isinstance(out, dict) and out.get("aborted") for out in self.outputs or [])
+
+    @property
     def logprob_temperature(self) -> float:
         """The temperature its output tokens' logprobs were taken at (1.0 for greedy)."""
         return TurnSampling(self.temperature, self.top_p, self.top_k).logprob_temperature

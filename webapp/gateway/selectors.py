@@ -105,14 +105,22 @@ def session_trajectories(
     sharing the session key) is trained apart. Within a branch, a turn whose prompt begins
     with the previous turn's exact tokens (its prompt and the answer continued with) extends
     that sequence (the literal stream the model saw); a turn rendered afresh starts a new one.
-    Only the choice the conversation continued with (or the recorded ``chosen``) is trained.
+    Only the choice the conversation continued with (or the recorded ``chosen``) is trained;
+    an aborted turn (its client went away mid-stream) is not: a later turn may still carry its
+    tokens as context, with no loss on them.
     A sequence whose last turn has no reward takes the session's (its last turn's). Each
     output token carries its turn's logprob temperature (``rl_core.sampling``);
     ``temperatures`` is None when all are 1.0.
     """
-    turns = (
-        interactions if interactions is not None else list(session.interactions.order_by("turn"))
-    )
+    turns = [
+        turn
+        for turn in (
+            interactions
+            if interactions is not None
+            else list(session.interactions.order_by("turn"))
+        )
+        if not turn.aborted
+    ]
     kept, _ = branches.drop_retry_orphans(branches.conversation_tree(turns))
     sequences: list[list[branches.Node]] = []
     for branch in branches.branches(kept):

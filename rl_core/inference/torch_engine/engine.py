@@ -22,6 +22,7 @@ import torch
 
 from rl_core.inference.torch_engine.kv_cache import PaddedBatchCache, make_cache
 from rl_core.inference.torch_engine.lora import AdapterSet
+from rl_core.inference.torch_engine.penalties import apply_penalties, penalised
 from rl_core.inference.torch_engine.protocol import BadRequest, GenerateRequest, generate_response
 from rl_core.sampling import SAMPLING_EPS, logprob_temperature
 
@@ -420,6 +421,10 @@ class TorchEngine:
     def _advance(self, reqs: list[GenerateRequest], logits: torch.Tensor) -> None:
         """Sample one token per request from ``logits`` [B, V] and check stop conditions."""
         logits = logits.cpu()  # sampling uses per-request CPU generators
+        if any(penalised(r.params) for r in reqs):  # before temperature, as SGLang's penalizers
+            logits = torch.stack(
+                [apply_penalties(logits[i], r.output_ids, r.params) for i, r in enumerate(reqs)]
+            )
         # The tempered distribution, as SGLang reports it and the trainer recomputes
         # (rl_core.sampling): log_softmax(logits / T); greedy requests at T = 1.
         temps = torch.tensor([[logprob_temperature(r.params.temperature)] for r in reqs])  # [B, 1]

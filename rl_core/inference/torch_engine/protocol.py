@@ -39,6 +39,11 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1  # -1 (or 0): no top-k
     min_p: float = 0.0
+    # OpenAI's additive penalties and the multiplicative one, over the tokens generated so
+    # far (penalties.py); the reported logprob is of the penalised distribution.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     min_new_tokens: int = 0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -50,9 +55,6 @@ class SamplingParams:
 
 # Accepted only when equal to these neutral values.
 _NEUTRAL_PARAMS: dict[str, tuple[Any, ...]] = {
-    "frequency_penalty": (0, 0.0),
-    "presence_penalty": (0, 0.0),
-    "repetition_penalty": (1, 1.0),
     "n": (1,),
     "json_schema": (None,),
     "regex": (None,),
@@ -120,6 +122,14 @@ def parse_sampling_params(raw: Any, vocab_size: int) -> SamplingParams:
             p.min_p = as_float(key, value)
             if not 0.0 <= p.min_p <= 1.0:
                 raise BadRequest(f"min_p must be in [0, 1], got {value}.")
+        elif key in ("presence_penalty", "frequency_penalty"):
+            setattr(p, key, as_float(key, value))
+            if not -2.0 <= getattr(p, key) <= 2.0:
+                raise BadRequest(f"{key} must be in [-2, 2], got {value}.")
+        elif key == "repetition_penalty":
+            p.repetition_penalty = as_float(key, value)
+            if not 0.0 < p.repetition_penalty <= 2.0:
+                raise BadRequest(f"repetition_penalty must be in (0, 2], got {value}.")
         elif key == "stop":
             stops = [value] if isinstance(value, str) else value
             if stops is None:
