@@ -35,7 +35,6 @@ from webapp.gateway.chat_events import (
     ToolCallDelta,
     chat_turn,
     final_completion,
-    sse_reply,
 )
 from webapp.gateway.completions import Reply, in_lane, parse_json_body
 from webapp.gateway.errors import GatewayError, bad_request
@@ -82,7 +81,7 @@ async def create_message(
         if turn.refusal is not None:
             return anthropic_error(turn.refusal)
         if request.get("stream"):
-            return sse_reply(message_stream(turn.events))
+            return Reply.sse(message_stream(turn.events))
         return Reply.json(render_message(await final_completion(turn.events)))
     except GatewayError as exc:
         return anthropic_error(Reply.error(exc))

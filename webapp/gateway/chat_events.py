@@ -117,19 +117,6 @@ async def final_completion(events: AsyncIterator[ChatEvent]) -> dict:
     raise GatewayError(502, "The answer ended before it was complete.", code="incomplete_answer")
 
 
-def sse_reply(stream: AsyncIterator[bytes]) -> Reply:
-    """A 200 streaming ``stream`` as server-sent events, unbuffered by proxies."""
-    return Reply(
-        200,
-        stream=stream,
-        headers={
-            "Content-Type": "text/event-stream",
-            "Cache-Control": "no-cache",
-            "X-Accel-Buffering": "no",
-        },
-    )
-
-
 async def _whole(completion: dict) -> AsyncIterator[ChatEvent]:
     yield Started(completion["id"], completion["model"], completion["created"])
     yield Completed(completion)

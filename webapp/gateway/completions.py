@@ -54,6 +54,19 @@ class Reply:
         return cls(status, orjson.dumps(payload), headers={"Content-Type": "application/json"})
 
     @classmethod
+    def sse(cls, stream: AsyncIterator[bytes]) -> Reply:
+        """A 200 streaming ``stream`` as server-sent events, unbuffered by proxies."""
+        return cls(
+            200,
+            stream=stream,
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no",
+            },
+        )
+
+    @classmethod
     def error(cls, exc: GatewayError) -> Reply:
         status, payload, headers = exc.payload()
         return cls(
@@ -152,23 +165,26 @@ async def _chat_completion(
     if chat.stream:
         # A stream is not waited on by retries: its client going away aborts it, so an SDK
         # retry after a timeout finds an aborted turn and generates anew.
-        try:
-            answer = await _generate_and_record(chat, turn, fingerprint, started, db)
-        except BaseException:
-            if turn.opened:
-                await asyncio.shield(db(turns.discard(turn=turn), durable=False))
-            raise
+        answer = await _generate_or_discard(chat, turn, fingerprint, started, db)
         return answer if isinstance(answer, Reply) else _respond(chat, answer)
     with inflight.IN_FLIGHT.track(attempt) as answered:
-        try:
-            answer = await _generate_and_record(chat, turn, fingerprint, started, db)
-        except BaseException:
-            if turn.opened:
-                await asyncio.shield(db(turns.discard(turn=turn), durable=False))
-            raise
+        answer = await _generate_or_discard(chat, turn, fingerprint, started, db)
         assert isinstance(answer, dict)  # only a stream answers with its SSE Reply
         answered.set_result(answer)
     return _respond(chat, answer)
+
+
+async def _generate_or_discard(
+    chat: ChatRequest, turn: turns.Turn, fingerprint: str, started: float, db
+) -> dict | Reply:
+    """``_generate_and_record``; on any failure the turn's session (a one-turn one opened for
+    it) is discarded, giving its admission slot back."""
+    try:
+        return await _generate_and_record(chat, turn, fingerprint, started, db)
+    except BaseException:
+        if turn.opened:
+            await asyncio.shield(db(turns.discard(turn=turn), durable=False))
+        raise
 
 
 async def _generate_and_record(
@@ -230,7 +246,7 @@ async def _generate_and_record(
             turn=turn,
             db=db,
         )
-        return _sse_reply(stream.events())
+        return Reply.sse(stream.events())
     generation = await generate(**engine_request)
     response, outputs = _completion(
         chat, tok, run.base_model, interaction_id, prompt.input_ids, generation.results
@@ -287,19 +303,7 @@ def _is_retry(retry_count: str) -> bool:
 def _respond(chat: ChatRequest, response: dict) -> Reply:
     if not chat.stream:
         return Reply.json(response)
-    return _sse_reply(_sse(chat, response))
-
-
-def _sse_reply(stream: AsyncIterator[bytes]) -> Reply:
-    return Reply(
-        200,
-        stream=stream,
-        headers={
-            "Content-Type": "text/event-stream",
-            "Cache-Control": "no-cache",
-            "X-Accel-Buffering": "no",
-        },
-    )
+    return Reply.sse(_sse(chat, response))
 
 
 def _completion(

@@ -22,7 +22,7 @@ from typing import Any
 from webapp.accounts.auth import bearer_token
 from webapp.agents.models import Agent
 from webapp.gateway import sql, turns
-from webapp.gateway.chat_events import chat_turn, final_completion, sse_reply
+from webapp.gateway.chat_events import chat_turn, final_completion
 from webapp.gateway.completions import Reply, in_lane, parse_json_body
 from webapp.gateway.errors import GatewayError, bad_request
 from webapp.gateway.models import Interaction, Session
@@ -76,7 +76,7 @@ async def create_response(
         if turn.refusal is not None:
             return turn.refusal
         if request.get("stream"):
-            return sse_reply(response_stream(request, turn.events))
+            return Reply.sse(response_stream(request, turn.events))
         return Reply.json(render_response(request, await final_completion(turn.events)))
     except GatewayError as exc:
         return Reply.error(exc)
