@@ -99,14 +99,18 @@ def test_a_session_over_several_messages_extends_the_exact_tokens_and_trains(gw)
     client = _client(gw, key)
     system = [{"type": "text", "text": "Be kind."}]
 
-    first = client.messages.create(model=gw.model, max_tokens=6, system=system, messages=HI)
+    # Greedy: a sampled answer may end in text the API does not give back as it was (an
+    # empty or whitespace-only block), and the next turn then rightly renders afresh.
+    first = client.messages.create(
+        model=gw.model, max_tokens=6, system=system, messages=HI, extra_body=GREEDY
+    )
     conversation = [
         *HI,
         {"role": "assistant", "content": [block.model_dump() for block in first.content]},
         {"role": "user", "content": [{"type": "text", "text": "And then?"}]},
     ]
     second = client.messages.create(
-        model=gw.model, max_tokens=6, system="Be kind.", messages=conversation
+        model=gw.model, max_tokens=6, system="Be kind.", messages=conversation, extra_body=GREEDY
     )
     assert gw.post("/rl/set_reward", {"reward": 0.5}, key=key).status_code == 200
     ended = gw.post("/rl/end_session", key=key)
