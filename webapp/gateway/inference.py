@@ -88,23 +88,14 @@ async def generate(
     """Sample ``n`` answers on one server (the session's, else the least loaded); fail over on a dead one."""
     candidates = await _candidates(run_id, sticky)
     if not candidates:
-        raise GatewayError(
-            503,
-            "No inference server is up for this run yet; it is starting or has stopped. Retry shortly.",
-            code="no_inference_server",
-            retry_after=5,
-        )
+        raise _no_server()
     last_error: Exception | None = None
     for url, healthy in candidates:
         client = _client(url)
         CACHES.in_flight[url] += n
         try:
-            jobs = []
-            for index in range(n):
-                params = dict(sampling_params)
-                if seed is not None:
-                    params["sampling_seed"] = seed + index
-                jobs.append(
+            results = await asyncio.gather(
+                *(
                     client.generate(
                         input_ids,
                         params,
@@ -112,34 +103,19 @@ async def generate(
                         top_logprobs_num=top_logprobs,
                         lora_path=lora_path,
                     )
+                    for params in _per_sample(sampling_params, n, seed)
                 )
-            results = await asyncio.gather(*jobs)
-        except InferenceUnavailable as exc:
-            last_error = exc
-            await _mark_down(run_id, url)
-            continue
-        except InferenceError as exc:
-            if exc.status is not None and 400 <= exc.status < 500:
-                raise GatewayError(
-                    400, f"The inference server rejected the request: {exc}", code="invalid_request"
-                ) from None
+            )
+        except (InferenceError, InferenceUnavailable) as exc:
+            _raise_if_rejected(exc)
             last_error = exc
             await _mark_down(run_id, url)
             continue
         finally:
             CACHES.in_flight[url] -= n
-        if not healthy:  # back after its back-off: in rotation again
-            CACHES.servers.pop(run_id, None)
-            await sync_to_async(inference_server_mark_up, thread_sensitive=False)(
-                run_id=run_id, url=url
-            )
+        await _back_in_rotation(run_id, url, healthy)
         return Generation(server_url=url, results=list(results))
-    raise GatewayError(
-        503,
-        f"Every inference server of this run failed ({last_error}). Retry shortly.",
-        code="inference_unavailable",
-        retry_after=5,
-    )
+    raise _all_failed(last_error)
 
 
 class StreamingGeneration:
@@ -246,10 +222,7 @@ async def generate_stream(
         client = _client(url)
         CACHES.in_flight[url] += n
         rids, streams = [], []
-        for index in range(n):
-            params = dict(sampling_params)
-            if seed is not None:
-                params["sampling_seed"] = seed + index
+        for params in _per_sample(sampling_params, n, seed):
             rids.append(_request_id())
             streams.append(
                 client.generate_stream(
@@ -269,27 +242,40 @@ async def generate_stream(
             CACHES.in_flight[url] -= n
             for stream in streams:
                 await stream.aclose()
-            if (
-                isinstance(exc, InferenceError)
-                and exc.status is not None
-                and 400 <= exc.status < 500
-            ):
-                raise GatewayError(
-                    400, f"The inference server rejected the request: {exc}", code="invalid_request"
-                ) from None
             if not isinstance(exc, InferenceError | InferenceUnavailable):
                 raise
+            _raise_if_rejected(exc)
             last_error = exc
             await _mark_down(run_id, url)
             continue
-        if not healthy:
-            CACHES.servers.pop(run_id, None)
-            await sync_to_async(inference_server_mark_up, thread_sensitive=False)(
-                run_id=run_id, url=url
-            )
+        await _back_in_rotation(run_id, url, healthy)
         version = max((max(f.versions, default=0) for f in firsts), default=0)
         return StreamingGeneration(run_id, url, client, rids, firsts, streams, version)
     raise _all_failed(last_error)
+
+
+def _per_sample(sampling_params: dict, n: int, seed: int | None) -> list[dict]:
+    """Each of the ``n`` samples' parameters: with a ``seed``, sample ``i`` gets ``seed + i``."""
+    if seed is None:
+        return [dict(sampling_params) for _ in range(n)]
+    return [sampling_params | {"sampling_seed": seed + index} for index in range(n)]
+
+
+def _raise_if_rejected(exc: Exception) -> None:
+    """A 4xx from the server is the request's fault (a 400 to the agent), not the server's."""
+    if isinstance(exc, InferenceError) and exc.status is not None and 400 <= exc.status < 500:
+        raise GatewayError(
+            400, f"The inference server rejected the request: {exc}", code="invalid_request"
+        ) from None
+
+
+async def _back_in_rotation(run_id, url: str, healthy: bool) -> None:
+    """A server that answered after its back-off is in rotation again."""
+    if not healthy:
+        CACHES.servers.pop(run_id, None)
+        await sync_to_async(inference_server_mark_up, thread_sensitive=False)(
+            run_id=run_id, url=url
+        )
 
 
 def _no_server() -> GatewayError:
