@@ -39,6 +39,7 @@ from rl_core.config import stored_setting
 from webapp.gateway import admission, sql
 from webapp.gateway.errors import GatewayError
 from webapp.gateway.models import Interaction, Session
+from webapp.runs.models import Run
 
 S, T = Session.Status, Session.Trajectory
 
@@ -57,7 +58,8 @@ TRAJECTORY_MOVES: dict[str, set[str]] = {
 }
 
 # A run in one of these has released its claims for good (``webapp.runs.jobs.job_report_status``).
-UNCLAIMABLE_RUN_STATUSES = ("completed", "failed", "stopped", "interrupted")
+_R = Run.Status
+UNCLAIMABLE_RUN_STATUSES = (_R.COMPLETED, _R.FAILED, _R.STOPPED, _R.INTERRUPTED)
 
 _SESSIONS, _INTERACTIONS = Session._meta.db_table, Interaction._meta.db_table
 
