@@ -10,15 +10,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from rl_core.reward_specs import REWARD_TYPES_DOC, reward_spec_errors
+
 MODES = ("online", "dataset")
 INFERENCE_BACKENDS = ("auto", "torch", "sglang")
 ADVANTAGE_ESTIMATORS = ("auto", "grpo", "rloo", "reinforce_pp")
-REWARD_TYPES = ("exact_match", "regex", "math", "python")
 RATIO_LEVELS = ("token", "sequence")
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean")
 KL_ESTIMATORS = ("k1", "k3")
@@ -28,8 +28,6 @@ WEIGHT_SYNC_STRATEGIES = ("distributed", "disk")
 # What lora_target_modules = [] means: peft's shorthand for every linear layer of the
 # attention and MLP blocks (the output head excluded).
 LORA_ALL_LINEAR = "all-linear"
-
-_DOTTED_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
 class ConfigError(ValueError):
@@ -73,7 +71,7 @@ class RunConfig:
     )
     reward: dict = _f(
         {},
-        'Dataset mode reward, e.g. {"type": "exact_match"}, {"type": "regex", "pattern": "..."}, {"type": "math"}, {"type": "python", "path": "module:function"}.',
+        'How episodes are scored, e.g. {"type": "exact_match"}, {"type": "regex", "pattern": "..."}, {"type": "math"}, {"type": "python", "path": "module:function"} (dataset mode); {"type": "judge", ...} (an LLM judge) or {"type": "human", "timeout_s": ...} (people giving feedback) in either mode. See "Reward types" below.',
     )
     # Rollout and staleness
     max_staleness: int = _f(
@@ -341,36 +339,6 @@ def _default(f: dataclasses.Field) -> Any:
     return f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc,operator]
 
 
-def reward_spec_errors(spec: Any) -> list[str]:
-    """Messages describing what is wrong with a reward spec (empty when it is valid)."""
-    if not isinstance(spec, dict):
-        return ['reward must be an object such as {"type": "exact_match"}.']
-    kind = spec.get("type")
-    if kind not in REWARD_TYPES:
-        return [f"reward.type must be one of {', '.join(REWARD_TYPES)}; got {kind!r}."]
-    allowed = {"type", "pattern", "path", "flags"}
-    extra = sorted(set(spec) - allowed)
-    if extra:
-        return [
-            f"Unknown reward keys: {', '.join(extra)}. Allowed: type, pattern (regex), path (python)."
-        ]
-    if kind == "regex":
-        pattern = spec.get("pattern")
-        if not isinstance(pattern, str) or not pattern:
-            return [
-                'A regex reward needs "pattern", a regular expression the completion must match.'
-            ]
-        try:
-            re.compile(pattern)
-        except re.error as exc:
-            return [f"reward.pattern is not a valid regular expression: {exc}."]
-    if kind == "python":
-        path = spec.get("path")
-        if not isinstance(path, str) or not _DOTTED_PATH.match(path):
-            return ['A python reward needs "path" as "module.submodule:function".']
-    return []
-
-
 def _coerce(f: dataclasses.Field, value: Any) -> Any:
     """Check one field's value against its declared type and bounds; raise ValueError with a fix."""
     meta = f.metadata
@@ -461,7 +429,7 @@ def settings_markdown() -> str:
             f"| `{f.name}` | {_JSON_TYPES[kind.replace(' | None', '')]}{' or null' if 'None' in kind else ''} | {shown} | {_allowed(meta)} |"
             f" {meta['help']}{' (advanced)' if meta.get('advanced') else ''} |"
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + REWARD_TYPES_DOC
 
 
 _JSON_TYPES = {

@@ -130,6 +130,11 @@ def load_reward_fn(spec: dict[str, Any] | str) -> RewardFn:
         )
     if kind == "python":
         return import_function(spec["path"])
+    if kind in ("judge", "human"):
+        raise ValueError(
+            f"a {kind} reward is given by the web app after an episode is submitted, not by a"
+            " reward function; run it as a Steep run (its job submits episodes unscored)"
+        )
     raise ValueError(f"unknown reward type {kind!r}; use exact_match, math, regex or python")
 
 

@@ -63,7 +63,7 @@ class Episode:
     output_ids: list[int]
     logprobs: list[float]
     versions: list[int]
-    reward: float
+    reward: float | None  # None: the web app scores it after it is submitted (judge, human)
     finish_reason: str  # "stop" | "length" | "abort"
     text: str  # the decoded answer, special tokens skipped: what the reward function saw
     messages: list[dict]  # the prompt as chat messages
@@ -82,7 +82,7 @@ class Episode:
             loss_mask=[0] * n_prompt + [1] * len(self.output_ids),
             logprobs=[0.0] * n_prompt + [float(x) for x in self.logprobs],
             versions=[PROMPT_VERSION] * n_prompt + list(self.versions),
-            rewards=[float(self.reward)],
+            rewards=[float(_scored(self.reward))],
             group_id=self.group_id,
             session_id=self.episode_id,
             temperatures=None
@@ -102,7 +102,7 @@ class Episode:
             "output_ids": list(self.output_ids),
             "logprobs": [float(x) for x in self.logprobs],
             "versions": list(self.versions),
-            "reward": float(self.reward),
+            "reward": None if self.reward is None else float(self.reward),
             "finish_reason": self.finish_reason,
             "text": self.text,
             "messages": list(self.messages),
@@ -112,6 +112,15 @@ class Episode:
             "sampling": dict(self.sampling),
             "latency_ms": float(self.latency_ms),
         }
+
+
+def _scored(reward: float | None) -> float:
+    if reward is None:
+        raise ValueError(
+            "this episode's reward is given by the web app (a judge or human reward); only a"
+            " run's job, which submits episodes to it, can train such a run"
+        )
+    return reward
 
 
 Sink = Callable[[list[Episode]], Awaitable[None]]
@@ -159,7 +168,8 @@ class RolloutDriver:
     ``controller.on_finish(accepted=True)`` when its group reaches the sink;
     a group whose generation failed is not submitted (``on_finish(False)``),
     so groups stay whole. A reward function that raises scores 0 and its error
-    is kept in the episode's ``metadata["reward_error"]``.
+    is kept in the episode's ``metadata["reward_error"]``. With no ``reward_fn`` (a judge
+    or human reward) episodes go out unscored: the web app scores them after submission.
 
     ``sampling_overrides(row, rng) -> dict``, if given, adds to or replaces the
     sampling parameters of one group (benchmarks use it for long-tailed lengths).
@@ -171,7 +181,7 @@ class RolloutDriver:
         urls: Sequence[str],
         tokenizer: ChatTokenizer,
         rows: Sequence[dict[str, Any]],
-        reward_fn: RewardFn,
+        reward_fn: RewardFn | None,
         controller: StalenessController,
         sink: Sink,
         *,
@@ -399,9 +409,12 @@ class RolloutDriver:
     ) -> Episode:
         row = self.rows[index]
         completion = self.tokenizer.decode(result.output_ids)
-        reward, error = score(
-            self.reward_fn, prompt_text, completion, row.get("answer"), row_metadata(row)
-        )
+        reward: float | None = None
+        error = None
+        if self.reward_fn is not None:  # else the web app scores it (judge, human)
+            reward, error = score(
+                self.reward_fn, prompt_text, completion, row.get("answer"), row_metadata(row)
+            )
         metadata: dict[str, Any] = {"row_index": index}
         if row.get("answer") is not None:
             metadata["answer"] = row["answer"]

@@ -72,6 +72,7 @@ INSTALLED_APPS = [
     "webapp.runs",
     "webapp.agents",
     "webapp.gateway",
+    "webapp.rewards",
     "webapp.dashboard",
 ]
 
@@ -203,6 +204,10 @@ STEEP_PLACEMENT_TIMEOUT_S = envint("STEEP_PLACEMENT_TIMEOUT_S", 600, minimum=1)
 # The bound on every step of a weight update (group join, broadcast, load): a server that
 # misses it is reported and takes weights from disk from then on (rl_core.weight_sync).
 STEEP_WEIGHT_SYNC_TIMEOUT_S = envint("STEEP_WEIGHT_SYNC_TIMEOUT_S", 120, minimum=1)
+# Judge rewards (webapp.rewards): how often the worker looks for sessions to judge, and at
+# most how many judge calls one worker makes at once (a thread pool, off any event loop).
+STEEP_JUDGE_INTERVAL_S = envint("STEEP_JUDGE_INTERVAL_S", 10, minimum=1)
+STEEP_JUDGE_CONCURRENCY = envint("STEEP_JUDGE_CONCURRENCY", 4, minimum=1)
 
 # The demo `./steep up` sets up: its model (offered first as a run's base_model) and the
 # demo agent that keeps its online run busy (webapp.runs.demo_agent).
@@ -245,6 +250,12 @@ CELERY_TASK_ALWAYS_EAGER = envbool("CELERY_TASK_ALWAYS_EAGER", False)
 CELERY_BEAT_SCHEDULE = {
     "expire-idle-sessions": {"task": "sessions.expire_idle", "schedule": 60.0},
     "reconcile-runs": {"task": "runs.reconcile", "schedule": 15.0},
+    # Judge and human rewards (webapp/rewards): open, judge, time out; one tick at a time.
+    "rewards": {
+        "task": "rewards.tick",
+        "schedule": float(STEEP_JUDGE_INTERVAL_S),
+        "options": {"expires": float(STEEP_JUDGE_INTERVAL_S)},
+    },
 }
 if STEEP_DEMO_AGENT:
     # A bounded batch of episodes per tick; a tick that finds another still playing returns.

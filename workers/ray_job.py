@@ -81,6 +81,7 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
     from rl_core.adapter_sync import AdapterSync
     from rl_core.chat import load_chat_tokenizer
     from rl_core.loop import TrainingLoop, WeightSync
+    from rl_core.reward_specs import reward_is_deferred
     from rl_core.rewards import load_reward_fn
     from rl_core.rollout import RolloutDriver
     from rl_core.staleness import StalenessController
@@ -180,7 +181,8 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
                 urls,
                 load_chat_tokenizer(config.base_model),
                 rows,
-                load_reward_fn(config.reward),
+                # judge / human rewards: the web app scores the submitted episodes.
+                None if reward_is_deferred(config.reward) else load_reward_fn(config.reward),
                 controller,
                 WebEpisodeSink(api),
                 adapter_prefix=run_id if config.lora_rank else None,

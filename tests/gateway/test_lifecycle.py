@@ -39,6 +39,7 @@ LEGAL = {
         for status in (S.ENDED, S.EXPIRED)
         for a, b in [
             (T.UNREWARDED, T.READY),
+            (T.UNREWARDED, T.DROPPED),  # a human reward that never came (webapp.rewards)
             (T.READY, T.CLAIMED),
             (T.CLAIMED, T.READY),
             (T.CLAIMED, T.TRAINED),

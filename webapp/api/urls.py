@@ -5,6 +5,7 @@ from webapp.accounts import apis as accounts
 from webapp.agents import apis as agents
 from webapp.datasets import apis as datasets
 from webapp.gateway import apis as sessions
+from webapp.rewards import apis as rewards
 from webapp.runs import apis as runs
 
 urlpatterns = [
@@ -55,4 +56,9 @@ urlpatterns = [
     path("agents/<str:agent_id>/", agents.AgentDetailApi.as_view(), name="agent"),
     path("sessions/", sessions.SessionListApi.as_view(), name="sessions"),
     path("sessions/<str:session_id>/", sessions.SessionDetailApi.as_view(), name="session"),
+    path(
+        "sessions/<str:session_id>/feedback/",
+        rewards.SessionFeedbackApi.as_view(),
+        name="session-feedback",
+    ),
 ]

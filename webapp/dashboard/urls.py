@@ -1,7 +1,7 @@
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from webapp.dashboard import views
+from webapp.dashboard import feedback, views
 
 app_name = "dashboard"
 
@@ -33,6 +33,12 @@ urlpatterns = [
         views.session_detail,
         name="session",
     ),
+    path(
+        "projects/<str:project_id>/sessions/<str:session_id>/feedback/",
+        feedback.session_feedback,
+        name="session-feedback",
+    ),
+    path("projects/<str:project_id>/review/", feedback.review, name="review"),
     path("projects/<str:project_id>/datasets/", views.datasets, name="datasets"),
     path(
         "projects/<str:project_id>/datasets/<str:dataset_id>/", views.dataset_detail, name="dataset"

@@ -50,6 +50,8 @@ from webapp.gateway.selectors import (
     session_interactions,
     session_list,
 )
+from webapp.rewards.secrets import redact_config
+from webapp.rewards.selectors import reward_summary, session_feedback
 from webapp.runs.selectors import (
     checkpoint_for_step,
     checkpoint_get,
@@ -303,6 +305,8 @@ def run_detail(request, project_id, run_id):
         "checkpoints": checkpoint_list(run=run)[:20],
         "agents": agent_list(project=project, run_id=run.id),
         "sessions": session_list(project=project, run_id=run.id)[:10],
+        "settings": redact_config(run.config),
+        "rewards": reward_summary(run=run),
     }
     return render(request, "dashboard/run_detail.html", context)
 
@@ -427,13 +431,11 @@ def agent_detail(request, project_id, agent_id):
 # --- Sessions -----------------------------------------------------------------------------
 
 
-@login_required
-def session_detail(request, project_id, session_id):
-    project = _project(request, project_id)
-    session = session_get(project=project, session_id=session_id)
+def session_context(project, session) -> dict:
+    """What the session page and its live fragment show (the feedback views render it too)."""
     interactions = session_interactions(session=session)
     decode = conversation.token_decoder(session.run.base_model) if session.run else None
-    context = {
+    return {
         "project": project,
         "tab": "agents" if session.agent_id else "runs",
         "session": session,
@@ -441,7 +443,14 @@ def session_detail(request, project_id, session_id):
         "legend": conversation.legend(interactions),
         "metadata_json": json.dumps(session.metadata, indent=2, sort_keys=True),
         "decoded": decode is not None,
+        "feedback": session_feedback(session=session),
     }
+
+
+@login_required
+def session_detail(request, project_id, session_id):
+    project = _project(request, project_id)
+    context = session_context(project, session_get(project=project, session_id=session_id))
     return _render(
         request, "dashboard/session_detail.html", "dashboard/_session_live.html", context
     )

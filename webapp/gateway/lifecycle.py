@@ -4,7 +4,9 @@ A session's state is its ``status`` and its trajectory's training state. The leg
 
     status       open ──► ended | expired                       (both final)
     trajectory   pending ──► ready | unrewarded                 (as the session leaves open)
-                 unrewarded ──► ready                           (a one-turn completion rewarded late)
+                 unrewarded ──► ready                           (rewarded late: a one-turn
+                                                                 completion, a judge, a person)
+                 unrewarded ──► dropped                         (a human reward never came)
                  ready ──► claimed ──► trained | dropped        (the trainer's)
                            claimed ──► ready                    (released: its job ended first)
 
@@ -50,7 +52,7 @@ STATUS_MOVES: dict[str, set[str]] = {
 }
 TRAJECTORY_MOVES: dict[str, set[str]] = {
     T.PENDING: {T.READY, T.UNREWARDED},
-    T.UNREWARDED: {T.READY},
+    T.UNREWARDED: {T.READY, T.DROPPED},
     T.READY: {T.CLAIMED},
     T.CLAIMED: {T.READY, T.TRAINED, T.DROPPED},
     T.TRAINED: set(),
@@ -154,9 +156,10 @@ def give_back(cursor, *, run_id, session_id) -> None:
         _count(cursor, run_id, State(S.OPEN, T.PENDING), None)
 
 
-def insert_finished(cursor, *, run_id, rows: list[dict[str, Any]]) -> None:
-    """Write sessions that are over and ready to train (a dataset run's episodes)."""
-    target = State(S.ENDED, T.READY)
+def insert_finished(cursor, *, run_id, rows: list[dict[str, Any]], rewarded: bool = True) -> None:
+    """Write sessions that are over (a dataset run's episodes): ready to train, or
+    unrewarded until the web app scores them (``rewarded=False``: a judge or human reward)."""
+    target = State(S.ENDED, T.READY if rewarded else T.UNREWARDED)
     for row in rows:
         sql.insert(
             cursor, Session, row | {"status": target.status, "trajectory": target.trajectory}
@@ -237,6 +240,18 @@ def rewarded_after_end(cursor, session_id) -> bool:
         [target.trajectory, sql.pk(cursor, Session, session_id), current.trajectory],
     )
     _count(cursor, row[0], current, target, times=moved)
+    return moved == 1
+
+
+def drop_unrewarded(cursor, session_id) -> bool:
+    """An ended session whose reward never came (a human reward's timeout) is dropped: never
+    trained, and counted as such. False (and nothing changes) when it was not unrewarded."""
+    moved = sql.changed_rows(
+        cursor,
+        f"UPDATE {_SESSIONS} SET trajectory = %s WHERE id = %s AND status = %s AND trajectory = %s",
+        [T.DROPPED, sql.pk(cursor, Session, session_id), S.ENDED, T.UNREWARDED],
+    )
+    # Neither state holds an admission slot: no counter moves.
     return moved == 1
 
 

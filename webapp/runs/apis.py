@@ -10,6 +10,7 @@ from webapp.api.errors import Conflict
 from webapp.api.fields import RAW_FIELDS
 from webapp.api.views import ProjectAPIView
 from webapp.datasets.selectors import dataset_get
+from webapp.rewards.secrets import redact_config
 from webapp.runs.models import Checkpoint, Run
 from webapp.runs.selectors import (
     checkpoint_for_step,
@@ -77,6 +78,11 @@ class RunCreateInput(serializers.Serializer):
         return attrs
 
 
+class RedactedConfigField(serializers.DictField):
+    def to_representation(self, value):
+        return super().to_representation(redact_config(value))
+
+
 class RunOutput(serializers.Serializer):
     id = serializers.UUIDField()
     name = serializers.CharField()
@@ -92,7 +98,7 @@ class RunOutput(serializers.Serializer):
     step = serializers.IntegerField()
     weight_version = serializers.IntegerField()
     error = serializers.CharField()
-    config = serializers.DictField()
+    config = RedactedConfigField(help_text="The run's settings; a judge's key is never shown.")
     created_at = serializers.DateTimeField()
     queued_at = serializers.DateTimeField(allow_null=True)
     started_at = serializers.DateTimeField(allow_null=True)

@@ -33,6 +33,7 @@ from django.conf import settings
 from django.http import HttpRequest, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
+from rl_core.reward_specs import reward_is_deferred
 from webapp.accounts.auth import bearer_token
 from webapp.runs import jobs
 from webapp.runs.models import Run
@@ -111,8 +112,9 @@ EPISODE_OPTIONAL = {
 }
 
 
-def _episode(index: int, episode) -> dict:
-    """An episode as ``rl_core.rollout.Episode.to_dict`` writes it, or BadRequest saying what is wrong."""
+def _episode(index: int, episode, *, deferred: bool = False) -> dict:
+    """An episode as ``rl_core.rollout.Episode.to_dict`` writes it, or BadRequest saying what is
+    wrong. ``deferred``: the run's reward is a judge's or a person's, so ``reward`` is null."""
     where = f"episodes[{index}]"
     if not isinstance(episode, dict):
         raise BadRequest(f"'{where}' must be an object")
@@ -126,7 +128,10 @@ def _episode(index: int, episode) -> dict:
         raise BadRequest(
             f"'{where}': output_ids, logprobs and versions need one entry per generated token"
         )
-    if not _is_number(episode.get("reward")) or not math.isfinite(episode["reward"]):
+    if deferred:
+        if episode.get("reward") is not None:
+            raise BadRequest(f"'{where}.reward' must be null: this run's reward is given later")
+    elif not _is_number(episode.get("reward")) or not math.isfinite(episode["reward"]):
         raise BadRequest(f"'{where}.reward' must be a finite number")
     if "latency_ms" in episode and not _is_number(episode["latency_ms"]):
         raise BadRequest(f"'{where}.latency_ms' must be a number")
@@ -403,7 +408,8 @@ def episodes(request, run: Run):
     items = data.get("episodes")
     if not isinstance(items, list):
         raise BadRequest("'episodes' must be a list")
-    episodes = [_episode(index, item) for index, item in enumerate(items)]
+    deferred = reward_is_deferred(run.config.get("reward"))
+    episodes = [_episode(index, item, deferred=deferred) for index, item in enumerate(items)]
     return JsonResponse(
         {"sessions": jobs.job_submit_episodes(run=run, episodes=episodes)}, status=201
     )

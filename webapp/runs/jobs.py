@@ -173,6 +173,8 @@ def job_submit_episodes(*, run: Run, episodes: list[dict]) -> list[str]:
 
     Each episode: ``input_ids``, ``output_ids``, ``logprobs``, ``versions``, ``reward``,
     ``finish_reason``, ``messages``, ``text``, optional ``group_id``, ``task_id``, ``metadata``.
+    A ``reward`` of None (a judge or human run) records the episode unrewarded: the worker's
+    ``rewards.judge`` task (``webapp.rewards``) scores it, or a person does.
     """
     now = timezone.now()
     sessions, interactions = [], []
@@ -229,15 +231,21 @@ def job_submit_episodes(*, run: Run, episodes: list[dict]) -> list[str]:
                 input_ids=episode["input_ids"],
                 outputs=[output],
                 response=response,
-                reward=float(episode["reward"]),
-                rewarded_at=now,
+                reward=None if episode.get("reward") is None else float(episode["reward"]),
+                rewarded_at=None if episode.get("reward") is None else now,
                 latency_ms=float(episode.get("latency_ms", 0.0)),
                 created_at=now,
             )
         )
+    scored = [
+        row for row, turn in zip(sessions, interactions, strict=True) if turn.reward is not None
+    ]
+    unscored = [row for row in sessions if row not in scored]
     with transaction.atomic():
         with connection.cursor() as cursor:
-            lifecycle.insert_finished(cursor, run_id=run.pk, rows=sessions)
+            lifecycle.insert_finished(cursor, run_id=run.pk, rows=scored)
+            if unscored:
+                lifecycle.insert_finished(cursor, run_id=run.pk, rows=unscored, rewarded=False)
         Interaction.objects.bulk_create(interactions)
     return [str(row["id"]) for row in sessions]
 

@@ -11,6 +11,7 @@ from django.utils import timezone
 from rl_core.config import ConfigError, RunConfig
 from webapp.accounts.models import Project
 from webapp.datasets.models import Dataset
+from webapp.rewards.secrets import seal_config
 from webapp.runs.events import publish_run_event, status_event
 from webapp.runs.models import Checkpoint, ClusterReport, Run, RunEvent
 from workers.capacity import CapacityError, check_capacity, resolve_backend
@@ -75,7 +76,7 @@ def run_create(
         mode=config.mode,
         base_model=config.base_model,
         dataset=dataset,
-        config=config.to_dict(),
+        config=seal_config(config.to_dict()),  # a judge's api_key is stored encrypted
     )
     RunEvent.objects.create(
         run=run,

@@ -1,0 +1,202 @@
+"""One call to an LLM judge: the prompt, the call (the official ``openai`` SDK, any
+OpenAI-compatible ``base_url``), and the answer checked against a JSON schema.
+
+No database here: ``webapp.rewards.services`` decides what to judge, caches verdicts and
+records what calls cost. ``judge_answers`` is called from worker threads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+import time
+
+import jsonschema
+import openai
+
+from rl_core.reward_specs import reward_setting
+from webapp.rewards.secrets import KeyUnavailable, judge_api_key
+
+# Bumped when the prompt or the schema changes, so old cached verdicts stop matching.
+PROMPT_VERSION = "1"
+
+ABSOLUTE_SCHEMA = {
+    "type": "object",
+    "required": ["score"],
+    "properties": {
+        "score": {"type": "number", "minimum": 0, "maximum": 1},
+        "reason": {"type": "string"},
+    },
+}
+
+
+def relative_schema(n: int) -> dict:
+    return {
+        "type": "object",
+        "required": ["scores"],
+        "properties": {
+            "scores": {
+                "type": "array",
+                "minItems": n,
+                "maxItems": n,
+                "items": {
+                    "type": "object",
+                    "required": ["id", "score"],
+                    "properties": {
+                        "id": {"type": "integer", "minimum": 1, "maximum": n},
+                        "score": {"type": "number", "minimum": 0, "maximum": 1},
+                        "reason": {"type": "string"},
+                    },
+                },
+            }
+        },
+    }
+
+
+SYSTEM = (
+    "You are a strict, fair judge of an AI assistant's answers. Score by the rubric only."
+    " Reply with one JSON object and nothing else."
+)
+
+
+@dataclasses.dataclass
+class Verdict:
+    scores: list[float]
+    reasons: list[str]
+
+
+@dataclasses.dataclass
+class CallResult:
+    """What one judging took: a verdict, or why there is none.
+
+    ``outage``: the judge could not be asked (unreachable, 429/5xx, a missing key): try again
+    later. Otherwise no verdict means the answer failed its schema on both attempts.
+    """
+
+    verdict: Verdict | None
+    error: str = ""
+    outage: bool = False
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    latency_ms: float = 0.0
+
+
+def transcript(messages: list[dict], answer: str) -> str:
+    """A conversation as the judge reads it: each message, then the answer being judged."""
+    lines = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):  # content parts: keep the text ones
+            content = " ".join(part.get("text", "") for part in content if isinstance(part, dict))
+        lines.append(f"[{message.get('role', 'user')}] {content or ''}")
+    lines.append(f"[assistant, the answer to judge] {answer}")
+    return "\n".join(lines)
+
+
+def content_hash(spec: dict, transcripts: list[str]) -> str:
+    """Everything that decides a verdict: the judge, the rubric, the mode and the answers."""
+    key = [
+        PROMPT_VERSION,
+        spec["base_url"].rstrip("/"),
+        spec["model"],
+        spec["rubric"],
+        bool(reward_setting(spec, "relative")),
+        transcripts,
+    ]
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+
+
+def judge_messages(spec: dict, transcripts: list[str]) -> list[dict]:
+    if len(transcripts) == 1 and not reward_setting(spec, "relative"):
+        task = (
+            f"Rubric:\n{spec['rubric']}\n\nConversation:\n{transcripts[0]}\n\n"
+            'Reply as {"score": <a number from 0 (worst) to 1 (best)>, "reason": "<one sentence>"}.'
+        )
+    else:
+        answers = "\n\n".join(f"### Answer {i}\n{t}" for i, t in enumerate(transcripts, 1))
+        task = (
+            f"Rubric:\n{spec['rubric']}\n\n{len(transcripts)} answers to the same task follow."
+            f" Score each against the rubric and against each other.\n\n{answers}\n\n"
+            'Reply as {"scores": [{"id": <answer number>, "score": <0 to 1>, "reason":'
+            ' "<one sentence>"}, ...]} with one entry per answer.'
+        )
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task}]
+
+
+_FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.DOTALL)
+
+
+def parse_verdict(text: str, n: int, relative: bool) -> Verdict:
+    """The judge's reply as a verdict of ``n`` scores; ValueError saying what is wrong."""
+    body = text.strip()
+    if fenced := _FENCE.match(body):
+        body = fenced.group(1)
+    try:
+        data = json.loads(body)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"the judge's reply is not JSON ({exc.msg}): {text[:200]!r}") from None
+    schema = relative_schema(n) if relative else ABSOLUTE_SCHEMA
+    try:
+        jsonschema.validate(data, schema)
+    except jsonschema.ValidationError as exc:
+        raise ValueError(f"the judge's reply does not fit its schema: {exc.message}") from None
+    if not relative:
+        return Verdict([float(data["score"])], [str(data.get("reason", ""))])
+    by_id = {item["id"]: item for item in data["scores"]}
+    if len(by_id) != n:
+        raise ValueError("the judge's reply scores some answers twice and others not at all")
+    return Verdict(
+        [float(by_id[i]["score"]) for i in range(1, n + 1)],
+        [str(by_id[i].get("reason", "")) for i in range(1, n + 1)],
+    )
+
+
+def judge_answers(spec: dict, transcripts: list[str]) -> CallResult:
+    """Ask the judge for ``transcripts``' scores: a malformed reply is asked again once."""
+    relative = len(transcripts) > 1 or bool(reward_setting(spec, "relative"))
+    try:
+        client = openai.OpenAI(
+            base_url=spec["base_url"],
+            api_key=judge_api_key(spec),
+            timeout=float(reward_setting(spec, "timeout_s")),
+            max_retries=0,  # our backoff, not the SDK's, decides when to ask again
+        )
+    except KeyUnavailable as exc:
+        return CallResult(None, str(exc), outage=True)
+    result = CallResult(None)
+    for _attempt in range(2):
+        started = time.perf_counter()
+        try:
+            reply = client.chat.completions.create(
+                model=spec["model"],
+                messages=judge_messages(spec, transcripts),  # type: ignore[arg-type]
+                temperature=0.0,
+                max_tokens=int(reward_setting(spec, "max_tokens")),
+            )
+        except (openai.APIConnectionError, openai.APITimeoutError) as exc:
+            return _outage(result, f"the judge is unreachable: {exc}")
+        except openai.APIStatusError as exc:
+            return _outage(result, f"the judge answered HTTP {exc.status_code}: {exc.message}")
+        finally:
+            result.latency_ms += (time.perf_counter() - started) * 1000
+        if reply.usage is not None:
+            result.prompt_tokens += reply.usage.prompt_tokens or 0
+            result.completion_tokens += reply.usage.completion_tokens or 0
+        text = (reply.choices[0].message.content or "") if reply.choices else ""
+        try:
+            result.verdict = parse_verdict(text, len(transcripts), relative)
+            result.error = ""
+            return result
+        except ValueError as exc:
+            result.error = str(exc)
+    return result
+
+
+def _outage(result: CallResult, error: str) -> CallResult:
+    result.error, result.outage = error, True
+    return result
+
+
+__all__ = ["CallResult", "Verdict", "content_hash", "judge_answers", "parse_verdict", "transcript"]
