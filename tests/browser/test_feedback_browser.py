@@ -1,0 +1,61 @@
+"""Human feedback in a real browser: a click on thumbs-up rewards the session and makes it
+trainable; the review queue rates the selected session from the keyboard."""
+
+from __future__ import annotations
+
+import pytest
+
+from webapp.gateway.models import Session
+from webapp.rewards.services import rewards_tick
+
+pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
+
+T = Session.Trajectory
+
+
+@pytest.fixture
+def waiting(project, make_run, make_agent, make_session):
+    run = make_run(project, reward={"type": "human", "timeout_s": 3600})
+    agent = make_agent(project, run=run)
+    sessions = [
+        make_session(
+            agent,
+            [{"messages": [{"role": "user", "content": f"2+{n}?"}], "answer": str(2 + n)}],
+            trajectory=T.UNREWARDED,
+        )
+        for n in (1, 2)
+    ]
+    rewards_tick()
+    return sessions
+
+
+def test_a_click_on_thumbs_up_sets_the_reward_and_the_session_becomes_trainable(
+    logged_in, live_server, project, waiting
+):
+    page = logged_in
+    session = waiting[0]
+    page.goto(f"{live_server.url}/projects/{project.id}/sessions/{session.id}/")
+    assert "none yet" in page.locator("#session-live").inner_text()
+    page.click("#session-feedback button.thumb.up")
+    page.wait_for_selector("#reward-total")
+    assert page.locator("#reward-total").inner_text() == "1.000"
+    assert "trajectory ready" in page.locator("#session-live").inner_text()
+    session.refresh_from_db()
+    assert session.trajectory == T.READY
+    assert session.interactions.get().reward == 1.0
+
+
+def test_the_review_queue_rates_from_the_keyboard(logged_in, live_server, project, waiting):
+    page = logged_in
+    page.goto(f"{live_server.url}/projects/{project.id}/review/")
+    page.wait_for_selector("tr.review-item:focus")  # the first waiting session is selected
+    first = page.locator("tr.review-item:focus").get_attribute("data-session")
+    page.keyboard.press("d")
+    page.wait_for_selector("tr.review-done")
+    rated = Session.objects.get(pk=first)
+    assert rated.trajectory == T.READY and rated.interactions.get().reward == 0.0
+    page.keyboard.press("u")
+    page.wait_for_function("document.querySelectorAll('tr.review-done').length === 2")
+    assert {s.trajectory for s in Session.objects.filter(pk__in=[w.pk for w in waiting])} == {
+        T.READY
+    }
