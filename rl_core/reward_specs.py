@@ -30,6 +30,7 @@ _REWARD_KEYS = {
         "relative",
         "timeout_s",
         "max_tokens",
+        "judge",
     },
     "human": {"type", "timeout_s"},
 }
@@ -70,17 +71,25 @@ def reward_spec_errors(spec: Any) -> list[str]:
 
 def _judge_errors(spec: dict) -> list[str]:
     errors = []
-    for name, what in (
-        ("rubric", "the criteria the judge scores an answer by"),
-        ("model", "the judge's model name at base_url"),
-    ):
-        if not isinstance(spec.get(name), str) or not spec[name].strip():
-            errors.append(f'A judge reward needs "{name}": {what}.')
+    if not isinstance(spec.get("rubric"), str) or not spec["rubric"].strip():
+        errors.append('A judge reward needs "rubric": the criteria the judge scores an answer by.')
+    if "judge" in spec:
+        if spec["judge"] != "self":
+            return [*errors, 'reward.judge can only be "self" (the run\'s own base model).']
+        endpoint = sorted({"base_url", "model", "api_key", "api_key_env"} & set(spec))
+        if endpoint:
+            errors.append(
+                f"A self judge is the run's own model on its own servers: leave out"
+                f" {', '.join(endpoint)}."
+            )
+        return errors + _judge_limits(spec)
+    if not isinstance(spec.get("model"), str) or not spec["model"].strip():
+        errors.append('A judge reward needs "model": the judge\'s model name at base_url.')
     base_url = spec.get("base_url")
     if not isinstance(base_url, str) or not re.match(r"^https?://[^\s/]+", base_url):
         errors.append(
             'A judge reward needs "base_url": an OpenAI-compatible endpoint such as'
-            ' "https://api.openai.com/v1".'
+            ' "https://api.openai.com/v1", or "judge": "self" for the run\'s own base model.'
         )
     keys = [name for name in ("api_key_env", "api_key", "api_key_encrypted") if name in spec]
     if len(keys) > 1:
@@ -91,6 +100,11 @@ def _judge_errors(spec: dict) -> list[str]:
     for name in ("api_key", "api_key_encrypted"):
         if name in spec and (not isinstance(spec[name], str) or not spec[name].strip()):
             errors.append(f"reward.{name} must be a non-empty string.")
+    return errors + _judge_limits(spec)
+
+
+def _judge_limits(spec: dict) -> list[str]:
+    errors = []
     if "relative" in spec and not isinstance(spec["relative"], bool):
         errors.append("reward.relative must be true or false.")
     errors += _positive_number(spec, "timeout_s", "seconds one judge call may take")
@@ -154,6 +168,7 @@ REWARD_TYPES_DOC = """
 | key | default | meaning |
 |---|---|---|
 | `rubric` | required | The criteria, in words, that the judge scores an answer by. |
+| `judge` | — | `"self"`: the run's own base model judges, on the run's own inference servers (a LoRA run's base weights; a full-weight run's servers hold the current policy, so it judges itself as it learns). Then leave out `base_url`, `model` and the key. While the run has no server up, judging waits. |
 | `base_url` | required | Any OpenAI-compatible endpoint, e.g. `https://api.openai.com/v1` or a vLLM/SGLang server's `/v1`. |
 | `model` | required | The judge model's name at `base_url`. |
 | `api_key_env` | — | The name of an environment variable of the worker that holds the judge's key (the key never enters the database). |

@@ -39,6 +39,8 @@ DETAIL_REQUESTS = [
     ("agents/<str:agent_id>/", "get", "agent", 200),
     ("agents/<str:agent_id>/", "delete", "agent", 204),
     ("sessions/<str:session_id>/", "get", "session", 200),
+    # The owner's answer to an empty body: feedback that says nothing (the view was reached).
+    ("sessions/<str:session_id>/feedback/", "post", "session", 400),
     ("keys/<str:key_id>/", "delete", "key", 200),
     ("keys/<str:key_id>/revoke/", "post", "key", 200),
 ]

@@ -12,7 +12,9 @@ import hashlib
 import json
 import re
 import time
+from typing import Any
 
+import httpx
 import jsonschema
 import openai
 
@@ -95,12 +97,13 @@ def transcript(messages: list[dict], answer: str) -> str:
     return "\n".join(lines)
 
 
-def content_hash(spec: dict, transcripts: list[str]) -> str:
-    """Everything that decides a verdict: the judge, the rubric, the mode and the answers."""
+def content_hash(spec: dict, transcripts: list[str], *, judge_id: str = "") -> str:
+    """Everything that decides a verdict: the judge, the rubric, the mode and the answers.
+    ``judge_id`` names a self judge's model (its run and weights); else base_url and model do."""
     key = [
         PROMPT_VERSION,
-        spec["base_url"].rstrip("/"),
-        spec["model"],
+        judge_id or spec["base_url"].rstrip("/"),
+        judge_id or spec["model"],
         spec["rubric"],
         bool(reward_setting(spec, "relative")),
         transcripts,
@@ -153,38 +156,100 @@ def parse_verdict(text: str, n: int, relative: bool) -> Verdict:
     )
 
 
-def judge_answers(spec: dict, transcripts: list[str]) -> CallResult:
+@dataclasses.dataclass
+class SelfJudge:
+    """The run's own model as the judge: one of its inference servers (SGLang's ``/generate``)
+    and its base model's chat tokenizer. No ``lora_path``: a LoRA run's base weights answer."""
+
+    server_url: str
+    tokenizer: Any  # rl_core.chat.ChatTokenizer
+
+
+class _Outage(Exception):
+    pass
+
+
+class Unavailable(Exception):
+    """A self judge cannot be asked now (no server up, no tokenizer): an outage."""
+
+
+def _ask_endpoint(client: openai.OpenAI, spec: dict, messages: list[dict]) -> tuple[str, int, int]:
+    try:
+        reply = client.chat.completions.create(
+            model=spec["model"],
+            messages=messages,  # type: ignore[arg-type]
+            temperature=0.0,
+            max_tokens=int(reward_setting(spec, "max_tokens")),
+        )
+    except (openai.APIConnectionError, openai.APITimeoutError) as exc:
+        raise _Outage(f"the judge is unreachable: {exc}") from None
+    except openai.APIStatusError as exc:
+        raise _Outage(f"the judge answered HTTP {exc.status_code}: {exc.message}") from None
+    usage = reply.usage
+    text = (reply.choices[0].message.content or "") if reply.choices else ""
+    if usage is None:
+        return text, 0, 0
+    return text, usage.prompt_tokens or 0, usage.completion_tokens or 0
+
+
+def _ask_self(judge_: SelfJudge, spec: dict, messages: list[dict]) -> tuple[str, int, int]:
+    input_ids = judge_.tokenizer.encode(judge_.tokenizer.render(messages))
+    body = {
+        "input_ids": input_ids,
+        "sampling_params": {
+            "max_new_tokens": int(reward_setting(spec, "max_tokens")),
+            "temperature": 0.0,
+        },
+    }
+    try:
+        response = httpx.post(
+            f"{judge_.server_url.rstrip('/')}/generate",
+            json=body,
+            timeout=float(reward_setting(spec, "timeout_s")),
+        )
+    except httpx.HTTPError as exc:
+        raise _Outage(f"the run's inference server is unreachable: {exc}") from None
+    if response.status_code != 200:
+        raise _Outage(f"the run's inference server answered HTTP {response.status_code}")
+    output_ids = response.json().get("output_ids") or []
+    return judge_.tokenizer.decode(output_ids), len(input_ids), len(output_ids)
+
+
+def judge_answers(
+    spec: dict, transcripts: list[str], *, self_judge: SelfJudge | None = None
+) -> CallResult:
     """Ask the judge for ``transcripts``' scores: a malformed reply is asked again once."""
     relative = len(transcripts) > 1 or bool(reward_setting(spec, "relative"))
-    try:
-        client = openai.OpenAI(
-            base_url=spec["base_url"],
-            api_key=judge_api_key(spec),
-            timeout=float(reward_setting(spec, "timeout_s")),
-            max_retries=0,  # our backoff, not the SDK's, decides when to ask again
-        )
-    except KeyUnavailable as exc:
-        return CallResult(None, str(exc), outage=True)
+    messages = judge_messages(spec, transcripts)
+    if self_judge is not None:
+
+        def ask() -> tuple[str, int, int]:
+            return _ask_self(self_judge, spec, messages)
+    else:
+        try:
+            client = openai.OpenAI(
+                base_url=spec["base_url"],
+                api_key=judge_api_key(spec),
+                timeout=float(reward_setting(spec, "timeout_s")),
+                max_retries=0,  # our backoff, not the SDK's, decides when to ask again
+            )
+        except KeyUnavailable as exc:
+            return CallResult(None, str(exc), outage=True)
+
+        def ask() -> tuple[str, int, int]:
+            return _ask_endpoint(client, spec, messages)
+
     result = CallResult(None)
     for _attempt in range(2):
         started = time.perf_counter()
         try:
-            reply = client.chat.completions.create(
-                model=spec["model"],
-                messages=judge_messages(spec, transcripts),  # type: ignore[arg-type]
-                temperature=0.0,
-                max_tokens=int(reward_setting(spec, "max_tokens")),
-            )
-        except (openai.APIConnectionError, openai.APITimeoutError) as exc:
-            return _outage(result, f"the judge is unreachable: {exc}")
-        except openai.APIStatusError as exc:
-            return _outage(result, f"the judge answered HTTP {exc.status_code}: {exc.message}")
+            text, prompt_tokens, completion_tokens = ask()
+        except _Outage as exc:
+            return _outage(result, str(exc))
         finally:
             result.latency_ms += (time.perf_counter() - started) * 1000
-        if reply.usage is not None:
-            result.prompt_tokens += reply.usage.prompt_tokens or 0
-            result.completion_tokens += reply.usage.completion_tokens or 0
-        text = (reply.choices[0].message.content or "") if reply.choices else ""
+        result.prompt_tokens += prompt_tokens
+        result.completion_tokens += completion_tokens
         try:
             result.verdict = parse_verdict(text, len(transcripts), relative)
             result.error = ""
@@ -199,4 +264,12 @@ def _outage(result: CallResult, error: str) -> CallResult:
     return result
 
 
-__all__ = ["CallResult", "Verdict", "content_hash", "judge_answers", "parse_verdict", "transcript"]
+__all__ = [
+    "CallResult",
+    "SelfJudge",
+    "Verdict",
+    "content_hash",
+    "judge_answers",
+    "parse_verdict",
+    "transcript",
+]

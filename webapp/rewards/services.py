@@ -19,9 +19,10 @@ from django.conf import settings
 from django.db import connection, transaction
 from django.utils import timezone
 
+from rl_core.chat import load_chat_tokenizer
 from rl_core.reward_specs import reward_setting
 from webapp.gateway import lifecycle
-from webapp.gateway.models import Interaction, Session
+from webapp.gateway.models import InferenceServer, Interaction, Session
 from webapp.rewards import judge
 from webapp.rewards.models import Feedback, JudgeCall, JudgeVerdict, RewardRequest
 
@@ -149,7 +150,8 @@ def judge_due(*, now: datetime | None = None, limit: int = 64) -> dict[str, int]
     ``STEEP_JUDGE_CONCURRENCY`` at once. Returns counts of what happened."""
     now = now or timezone.now()
     counts = {"scored": 0, "unscored": 0, "waiting": 0, "cached": 0, "calls": 0}
-    work: dict[str, tuple[dict, list[str], list]] = {}  # digest → spec, texts, its units
+    # digest → spec, texts, the self judge (or None), its units
+    work: dict[str, tuple[dict, list[str], judge.SelfJudge | None, list]] = {}
     for unit in _units(_lease(now=now, limit=limit)):
         turns = [_last_turn(r.session) for r in unit]
         if any(t is None for t in turns):  # nothing to judge: say so rather than wait forever
@@ -158,8 +160,15 @@ def judge_due(*, now: datetime | None = None, limit: int = 64) -> dict[str, int]
                 counts["unscored"] += 1
             continue
         spec = _reward_spec(unit[0].run)
+        self_judge, judge_id = None, ""
+        if spec.get("judge") == "self":
+            try:
+                self_judge, judge_id = _self_judge(unit[0].run)
+            except judge.Unavailable as exc:
+                _wait(unit, str(exc), counts)
+                continue
         texts = [judge.transcript(t.messages or [], _answer_text(t)) for t in turns]  # type: ignore[union-attr]
-        digest = judge.content_hash(spec, texts)
+        digest = judge.content_hash(spec, texts, judge_id=judge_id)
         cached = JudgeVerdict.objects.filter(content_hash=digest).first()
         if cached is not None:
             JudgeCall.objects.create(
@@ -170,15 +179,20 @@ def judge_due(*, now: datetime | None = None, limit: int = 64) -> dict[str, int]
             counts["scored"] += len(unit)
             continue
         # The same answers twice in one tick (identical rollouts): one call for both.
-        work.setdefault(digest, (spec, texts, []))[2].append((unit, turns))
+        work.setdefault(digest, (spec, texts, self_judge, []))[3].append((unit, turns))
     if not work:
         return counts
     digests = list(work)
     with ThreadPoolExecutor(max_workers=settings.STEEP_JUDGE_CONCURRENCY) as pool:
-        results = list(pool.map(lambda d: judge.judge_answers(work[d][0], work[d][1]), digests))
+        results = list(
+            pool.map(
+                lambda d: judge.judge_answers(work[d][0], work[d][1], self_judge=work[d][2]),
+                digests,
+            )
+        )
     for digest, result in zip(digests, results, strict=True):
         counts["calls"] += 1
-        for index, (unit, turns) in enumerate(work[digest][2]):
+        for index, (unit, turns) in enumerate(work[digest][3]):
             _judged(unit, turns, digest, result, counts, now, cached=index > 0)
     return counts
 
@@ -205,18 +219,50 @@ def _judged(unit, turns, digest: str, result, counts: dict, now: datetime, cache
         _apply(unit, turns, result.verdict.scores, result.verdict.reasons, timezone.now())
         counts["scored"] += len(unit)
     elif result.outage:
-        for request in unit:
-            attempts = request.attempts + 1
-            RewardRequest.objects.filter(pk=request.pk).update(
-                attempts=attempts,
-                next_attempt_at=timezone.now() + timedelta(seconds=backoff_s(attempts)),
-                reason=f"waiting: {result.error}"[:2000],
-            )
-        counts["waiting"] += len(unit)
+        _wait(unit, result.error, counts)
     else:
         for request in unit:
             _finish_unscored(request, f"judge reply invalid twice: {result.error}", now)
         counts["unscored"] += len(unit)
+
+
+def _wait(unit: list[RewardRequest], error: str, counts: dict) -> None:
+    """No verdict for now (an outage): the sessions stay waiting, tried again with backoff."""
+    for request in unit:
+        attempts = request.attempts + 1
+        RewardRequest.objects.filter(pk=request.pk).update(
+            attempts=attempts,
+            next_attempt_at=timezone.now() + timedelta(seconds=backoff_s(attempts)),
+            reason=f"waiting: {error}"[:2000],
+        )
+    counts["waiting"] += len(unit)
+
+
+_TOKENIZERS: dict[str, Any] = {}  # base model → its chat tokenizer, loaded once per worker
+
+
+def _self_judge(run) -> tuple[judge.SelfJudge, str]:
+    """The run's own model as its judge, and what names it in the cache: a LoRA run's base
+    weights never change; a full-weight run's servers hold the policy of its version."""
+    url = (
+        InferenceServer.objects.filter(run=run, healthy=True)
+        .order_by("pk")
+        .values_list("url", flat=True)
+        .first()
+    )
+    if url is None:
+        raise judge.Unavailable("the run has no inference server up to judge with")
+    tokenizer = _TOKENIZERS.get(run.base_model)
+    if tokenizer is None:
+        try:
+            tokenizer = _TOKENIZERS[run.base_model] = load_chat_tokenizer(run.base_model)
+        except (OSError, ValueError) as exc:
+            raise judge.Unavailable(
+                f"cannot load the tokenizer of {run.base_model}: {exc}"
+            ) from None
+    lora = (run.config or {}).get("lora_rank")
+    judge_id = f"self:{run.id}:{run.base_model}" + ("" if lora else f":v{run.weight_version}")
+    return judge.SelfJudge(url, tokenizer), judge_id
 
 
 def _apply(unit, turns, scores: list[float], reasons: list[str], now: datetime) -> None:
