@@ -134,6 +134,13 @@ class StalenessController:
             self.accepted -= n
             self.dropped += n
 
+    def on_unrewarded(self, n: int) -> None:
+        """``n`` accepted trajectories will never have a reward (a judge's verdict that failed
+        its schema, a human reward that never came): they free their slots, not counted as
+        stale. Clamped to what is accepted: a report may reach a job resumed since."""
+        with self._lock:
+            self.accepted -= max(0, min(n, self.accepted))
+
     def on_resume(self, version: int) -> None:
         """Training resumed from a checkpoint at ``version``: the batches of the versions
         skipped count as accepted (trained), as in ``StalenessController(version=...)``."""

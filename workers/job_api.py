@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -150,6 +151,9 @@ class WebSource:
         self.max_backoff_s = max_backoff_s
         self.buffer: list[tuple[str, Trajectory]] = []
         self.stopped = False
+        # Told how many submitted episodes will never be rewarded (judge/human runs): the
+        # dataset-mode staleness controller's ``on_unrewarded``, which frees their slots.
+        self.on_unrewarded: Callable[[int], None] | None = None
 
     async def next_batch(self, n: int) -> list[tuple[str, Trajectory]]:
         backoff = self.poll_s
@@ -158,6 +162,8 @@ class WebSource:
             claimed = await self.api.call(
                 "POST", "claim", {"limit": n - len(self.buffer), "wait_s": self.wait_s}
             )
+            if claimed.get("unrewarded") and self.on_unrewarded is not None:
+                self.on_unrewarded(int(claimed["unrewarded"]))
             for item in claimed["sessions"]:
                 for index, data in enumerate(item["trajectories"]):
                     self.buffer.append(

@@ -147,6 +147,8 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
         )
         reporter = WebReporter(api)
         source = WebSource(api)
+        if controller is not None:  # judge/human episodes that are never rewarded give slots back
+            source.on_unrewarded = controller.on_unrewarded
         # LoRA: each version is loaded as a new adapter, no pause (rl_core/adapter_sync.py).
         weight_sync = (
             AdapterSync(urls, data_dir / "adapters", prefix=run_id)

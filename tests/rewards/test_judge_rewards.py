@@ -209,3 +209,48 @@ def test_online_sessions_that_end_unrewarded_are_judged(
     assert judged.trajectory == T.READY and judged.interactions.get().reward == 1.0
     assert not RewardRequest.objects.filter(session=rewarded).exists()  # it had its reward
     assert len(judge_server.requests) == 1
+
+
+def test_a_judge_runs_job_submits_its_episodes_unscored_over_the_internal_api(
+    client, judge_run, judge_server, set_status
+):
+    from webapp.runs.jobs import job_secret_issue
+
+    set_status(judge_run, Run.Status.RUNNING)
+    secret = job_secret_issue(run=judge_run)
+    url = f"/internal/v1/runs/{judge_run.id}/episodes"
+
+    def submit(episodes):
+        return client.post(
+            url,
+            data={"episodes": episodes},
+            content_type="application/json",
+            HTTP_AUTHORIZATION=f"Bearer {secret}",
+        )
+
+    scored = submit([_episode("4", "g1") | {"reward": 1.0}])
+    assert scored.status_code == 400 and "must be null" in scored.json()["error"]["message"]
+    created = submit([_episode("4", "g1"), _episode("5", "g1")])
+    assert created.status_code == 201, created.content
+    ids = created.json()["sessions"]
+    rewards_tick()
+    assert _rewards(judge_run) == {"4": 1.0, "5": 0.0}
+    assert set(Session.objects.filter(pk__in=ids).values_list("trajectory", flat=True)) == {T.READY}
+
+
+def test_a_run_with_a_reward_function_refuses_unscored_episodes(
+    client, project, make_dataset, make_run, set_status
+):
+    from webapp.runs.jobs import job_secret_issue
+
+    run = set_status(make_run(project, dataset=make_dataset(project), group_size=2), "running")
+    secret = job_secret_issue(run=run)
+    response = client.post(
+        f"/internal/v1/runs/{run.id}/episodes",
+        data={"episodes": [_episode("4", "g1")]},
+        content_type="application/json",
+        HTTP_AUTHORIZATION=f"Bearer {secret}",
+    )
+    assert response.status_code == 400
+    assert "reward' must be a finite number" in response.json()["error"]["message"]
+    assert not Session.objects.filter(run=run).exists()

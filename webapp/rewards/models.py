@@ -40,6 +40,9 @@ class RewardRequest(models.Model):
     due_at = models.DateTimeField(null=True, blank=True, help_text="Human: dropped after this.")
     reason = models.TextField(blank=True, help_text="Why unscored/dropped, or the last outage.")
     score = models.FloatField(null=True, blank=True)
+    loss_reported = models.BooleanField(
+        default=False, help_text="Unscored/dropped, and the run's job has been told."
+    )
     created_at = models.DateTimeField(default=timezone.now)
     finished_at = models.DateTimeField(null=True, blank=True)
 

@@ -370,6 +370,18 @@ def feedback_record(
         )
 
 
+def reward_losses_take(*, run) -> int:
+    """The run's sessions that ended unscored or dropped since the last call, counted once: a
+    dataset run's job gives their staleness slots back (``StalenessController.on_unrewarded``)."""
+    with transaction.atomic():
+        ids = list(
+            RewardRequest.objects.select_for_update(skip_locked=True)
+            .filter(run=run, state__in=[R.UNSCORED, R.DROPPED], loss_reported=False)
+            .values_list("pk", flat=True)
+        )
+        return RewardRequest.objects.filter(pk__in=ids).update(loss_reported=True)
+
+
 def rewards_tick() -> dict[str, int]:
     """One pass of the worker: open requests, drop timed-out human ones, judge what is due."""
     opened = reward_requests_open()

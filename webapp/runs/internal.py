@@ -367,7 +367,9 @@ async def claim(request, run: Run):
         raise BadRequest("'limit' must be between 1 and 10000")
     wait_s = _wait_s(data.get("wait_s", 0))
     sessions = await _long_poll(lambda: jobs.job_claim_trajectories(run=run, limit=limit), wait_s)
-    return JsonResponse({"sessions": sessions})
+    # Submitted episodes that will never be rewarded (unscored, dropped), told once.
+    unrewarded = await sync_to_async(jobs.job_take_unrewarded)(run=run)
+    return JsonResponse({"sessions": sessions, "unrewarded": unrewarded})
 
 
 @internal("GET")

@@ -18,6 +18,7 @@ from webapp.gateway.services import (
     inference_server_unregister,
     trajectories_claim,
 )
+from webapp.rewards.services import reward_losses_take
 from webapp.runs.events import metrics_event, publish_run_event, status_event
 from webapp.runs.models import Checkpoint, ClusterReport, MetricPoint, Run, RunEvent
 from webapp.runs.services import IllegalTransition, run_transition
@@ -153,6 +154,11 @@ def job_claim_trajectories(*, run: Run, limit: int) -> list[dict]:
             {"session_id": str(session.id), "trajectories": [t.to_dict() for t in trajectories]}
         )
     return out
+
+
+def job_take_unrewarded(*, run: Run) -> int:
+    """How many of the run's sessions became unscored or dropped since the job last asked."""
+    return reward_losses_take(run=run)
 
 
 def job_mark_trained(*, run: Run, version: int, trained: list[str], dropped: list[str]) -> None:
