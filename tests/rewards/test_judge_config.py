@@ -33,7 +33,10 @@ RUN = {"name": "judged", "base_model": "tiny-llama", "mode": "online"}
         (GOOD | {"relative": "yes"}, "relative"),
         (GOOD | {"timeout_s": -1}, "timeout_s"),
         (GOOD | {"max_tokens": 3}, "max_tokens"),
-        (GOOD | {"judge": "self"}, "Unknown reward keys"),
+        (GOOD | {"judge": "self"}, "leave out base_url, model"),
+        ({"type": "judge", "judge": "self"}, '"rubric"'),
+        ({"type": "judge", "judge": "gpt", "rubric": "r"}, 'can only be "self"'),
+        (GOOD | {"stars": 5}, "Unknown reward keys"),
     ],
 )
 def test_a_bad_judge_setting_is_400_naming_it(api, api_error, reward, message):

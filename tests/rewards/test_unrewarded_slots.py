@@ -8,6 +8,7 @@ import asyncio
 
 import pytest
 from asgiref.sync import sync_to_async
+from django.db import connections
 
 from rl_core.staleness import StalenessController
 from webapp.rewards.services import rewards_tick
@@ -50,11 +51,14 @@ async def test_the_claim_answer_tells_the_job_once_how_many_went_unscored(
     judge_server.mode = "garbage"
 
     def setup():
-        run = make_run(project, dataset=make_dataset(project), reward=judge_spec, group_size=1)
-        run = set_status(run, Run.Status.RUNNING)
-        job_submit_episodes(run=run, episodes=[_episode("4"), _episode("5")])
-        rewards_tick()
-        return run, job_secret_issue(run=run)
+        try:
+            run = make_run(project, dataset=make_dataset(project), reward=judge_spec, group_size=1)
+            run = set_status(run, Run.Status.RUNNING)
+            job_submit_episodes(run=run, episodes=[_episode("4"), _episode("5")])
+            rewards_tick()
+            return run, job_secret_issue(run=run)
+        finally:
+            connections.close_all()  # a thread of its own: its own connection
 
     run, secret = await sync_to_async(setup)()
     told: list[int] = []
