@@ -183,9 +183,10 @@ worker's `rewards.judge` task (every `STEEP_JUDGE_INTERVAL_S` seconds, at most
 answer JSON, `{"score": 0..1, "reason": "..."}` (relative: `{"scores": [{"id", "score",
 "reason"}, ...]}`), checked against a JSON schema; an answer that fails is asked again once,
 then the session is marked *unscored* with the reason and never trained. An unreachable judge
-(connection error, timeout, HTTP 429 or 5xx, a missing key variable) is not a verdict: the
-session stays waiting and is tried again with exponential backoff (10 s doubling, at most
-10 minutes), so an outage delays training and loses nothing. Verdicts are cached by the hash
+(a connection error, a timeout, any HTTP error status, a missing key variable, a self judge
+with no server up) is not a verdict: the session stays waiting and is tried again with
+exponential backoff (10 s doubling, at most 10 minutes), so an outage delays training and
+loses nothing. In dataset mode an unscored or dropped episode gives its staleness slot back. Verdicts are cached by the hash
 of the judge, the rubric and the conversation: a repeat costs no call. Calls, cache hits,
 tokens and latency are shown per run on its page.
 

@@ -354,3 +354,20 @@ async def test_stop_cancels_in_flight_rollouts_and_returns(tiny_model_dir, torch
     driver.stop()
     await asyncio.wait_for(task, 10)
     assert controller.running == 0 and controller.accepted == 0
+
+
+async def test_without_a_reward_function_episodes_go_out_unscored_for_the_web_app(
+    tiny_model_dir, torch_engine
+):
+    judged = {"type": "judge", "rubric": "r", "base_url": "http://judge/v1", "model": "m"}
+    sink = Collect()
+    driver = _driver(
+        _cfg(tiny_model_dir, reward=judged), [torch_engine.url], reward_fn=None, sink=sink
+    )
+    await _drive(driver, lambda: len(sink.groups) >= 1)
+
+    episode = sink.episodes[0]
+    assert episode.reward is None and "reward_error" not in episode.metadata
+    assert episode.to_dict()["reward"] is None  # what the job submits: the web app judges it
+    with pytest.raises(ValueError, match="given by the web app"):
+        episode.to_trajectory()  # never trained without its reward
