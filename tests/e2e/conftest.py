@@ -38,6 +38,7 @@ def stack(django_db_setup, tmp_path_factory):
         redis_url=settings.REDIS_URL,
         site_url=url,
         local_ray=True,
+        STEEP_JUDGE_INTERVAL_S="2",  # a judged run (test_training_runs.py) is scored sooner
     )
     with LiveStack(env=env, log_dir=tmp_path_factory.mktemp("logs")) as processes:
         web = processes.start_web(port)

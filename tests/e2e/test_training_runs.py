@@ -15,7 +15,10 @@ import httpx
 import pytest
 
 from rl_core.toy import TOY_SETTINGS, toy_rows
+from tests.judge_stub import StubJudge
 from tests.livestack import wait_for
+from webapp.gateway.models import Interaction, Session
+from webapp.rewards.models import JudgeCall
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
@@ -427,3 +430,45 @@ def test_a_run_cloned_from_a_checkpoint_starts_from_its_weights(stack, rest):
     # A fresh tiny model scores ~0.01 on its first batch (the source did: trained[0]).
     assert first > trained[0] + 0.4, (first, trained)
     assert "init" in [event["kind"] for event in run_state(rest, clone["id"])["events"]]
+
+
+def test_a_dataset_run_judged_by_an_llm_trains_on_its_verdicts(stack, rest):
+    """The job submits its episodes unscored; the worker's rewards.tick has a stand-in
+    OpenAI-compatible judge (tests.judge_stub) score them; the trainer trains on the verdicts."""
+    judge = StubJudge()
+    judge.grader = lambda answer: 1.0 if "v" in answer else 0.0
+    try:
+        run = create_dataset_run(
+            rest,
+            stack,
+            max_steps=1,
+            batch_size=8,
+            group_size=4,
+            reward={
+                "type": "judge",
+                "rubric": "1 if the answer has the letter v in it, else 0.",
+                "base_url": judge.base_url,
+                "model": "stub-judge",
+                "api_key": "sk-e2e-judge",
+            },
+        )
+        assert rest.post(f"/runs/{run['id']}/start/").status_code == 202
+        deadline = time.monotonic() + 240
+        while run_state(rest, run["id"])["status"] not in ("completed", "failed"):
+            assert time.monotonic() < deadline, run_state(rest, run["id"])
+            time.sleep(1)
+        state = run_state(rest, run["id"])
+        assert state["status"] == "completed", state
+        assert state["config"]["reward"]["api_key"] == "(stored encrypted)"
+    finally:
+        judge.close()
+
+    trained = Session.objects.filter(run_id=run["id"], trajectory=Session.Trajectory.TRAINED)
+    assert trained.count() >= 8  # a step of 8, every one judged before training
+    turns = Interaction.objects.filter(session__in=trained)
+    assert all(t.reward in (0.0, 1.0) for t in turns)
+    assert [t.reward for t in turns] == [
+        1.0 if "v" in t.response["choices"][0]["message"]["content"] else 0.0 for t in turns
+    ]
+    assert judge.requests and set(judge.auth) == {"Bearer sk-e2e-judge"}
+    assert JudgeCall.objects.filter(run_id=run["id"], ok=True).exists()

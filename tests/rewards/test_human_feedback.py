@@ -263,3 +263,14 @@ def test_the_run_page_shows_what_rewards_are_owed(member_client, project, human_
     page = member_client.get(f"/projects/{project.id}/runs/{human_run.id}/").content.decode()
     assert 'id="run-rewards"' in page and 'id="rewards-pending">1<' in page
     assert "Open the review queue" in page
+
+
+def test_feedback_on_an_expired_unrewarded_session_is_kept_but_not_applied(
+    api, make_agent, make_session, project
+):
+    session = make_session(
+        make_agent(project), QUESTION, status=Session.Status.EXPIRED, trajectory=T.UNREWARDED
+    )
+    body = api.post(_url(session), {"rating": "up"}, format="json").json()
+    assert body["reward_applied"] is False and body["trajectory"] == "unrewarded"
+    assert session.interactions.get().reward is None

@@ -312,7 +312,6 @@ def human_timeouts(*, now: datetime | None = None) -> int:
 
 
 FEEDBACK_REWARD = {Feedback.Rating.UP: 1.0, Feedback.Rating.DOWN: 0.0}
-REWARDABLE = (T.PENDING, T.UNREWARDED, T.READY)
 
 
 def feedback_reward(*, rating: str, score: float | None) -> float | None:
@@ -347,7 +346,12 @@ def feedback_record(
         else:
             turn = turns[-1] if turns else None
         reward = feedback_reward(rating=rating, score=score)
-        applied = reward is not None and turn is not None and locked.trajectory in REWARDABLE
+        # Open (rewarded when it ends), waiting for the trainer, or ended without a reward;
+        # an expired session without one is never trained (``lifecycle.end``).
+        rewardable = locked.trajectory in (T.PENDING, T.READY) or (
+            locked.trajectory == T.UNREWARDED and locked.status == S.ENDED
+        )
+        applied = reward is not None and turn is not None and rewardable
         if applied:
             Interaction.objects.filter(pk=turn.pk).update(reward=reward, rewarded_at=now)  # type: ignore[union-attr]
             if locked.status == S.ENDED and locked.trajectory == T.UNREWARDED:
