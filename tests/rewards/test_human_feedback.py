@@ -274,3 +274,18 @@ def test_feedback_on_an_expired_unrewarded_session_is_kept_but_not_applied(
     body = api.post(_url(session), {"rating": "up"}, format="json").json()
     assert body["reward_applied"] is False and body["trajectory"] == "unrewarded"
     assert session.interactions.get().reward is None
+
+
+def test_a_sessions_feedback_is_listed_newest_first_and_only_to_its_project(
+    api, other_api, api_error, waiting
+):
+    assert api.get(_url(waiting)).json()["count"] == 0  # empty before any
+    api.post(_url(waiting), {"rating": "down"}, format="json")
+    api.post(_url(waiting), {"score": 0.5, "comment": "half right"}, format="json")
+    body = api.get(_url(waiting)).json()
+    assert body["count"] == 2
+    assert [(f["rating"], f["score"], f["reward"]) for f in body["results"]] == [
+        ("", 0.5, 0.5),
+        ("down", None, 0.0),
+    ]
+    api_error(other_api.get(_url(waiting)), 404)

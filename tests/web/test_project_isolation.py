@@ -41,6 +41,7 @@ DETAIL_REQUESTS = [
     ("sessions/<str:session_id>/", "get", "session", 200),
     # The owner's answer to an empty body: feedback that says nothing (the view was reached).
     ("sessions/<str:session_id>/feedback/", "post", "session", 400),
+    ("sessions/<str:session_id>/feedback/", "get", "session", 200),
     ("keys/<str:key_id>/", "delete", "key", 200),
     ("keys/<str:key_id>/revoke/", "post", "key", 200),
 ]

@@ -12,6 +12,7 @@ from rest_framework.response import Response
 from webapp.api.views import ProjectAPIView
 from webapp.gateway.selectors import session_get
 from webapp.rewards.models import Feedback
+from webapp.rewards.selectors import session_feedback_list
 from webapp.rewards.services import FeedbackInvalid, feedback_record
 
 
@@ -74,6 +75,13 @@ class FeedbackOutput(serializers.Serializer):
 
 class SessionFeedbackApi(ProjectAPIView):
     """A person's verdict on a session or one of its turns, turned into its reward."""
+
+    @extend_schema(
+        responses=FeedbackOutput(many=True), summary="List a session's feedback, newest first"
+    )
+    def get(self, request, session_id):
+        session = session_get(project=self.project, session_id=session_id)
+        return self.paginate(session_feedback_list(session=session), FeedbackOutput)
 
     @extend_schema(
         request=FeedbackInput,

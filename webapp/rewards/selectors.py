@@ -72,3 +72,8 @@ def review_queue(*, project: Project):
 
 def session_feedback(*, session: Session) -> list[Feedback]:
     return list(session.feedback.select_related("interaction", "author").order_by("-created_at"))
+
+
+def session_feedback_list(*, session: Session):
+    """The session's feedback as a queryset, newest first (the REST list pages it)."""
+    return session.feedback.select_related("session").order_by("-created_at", "-pk")
