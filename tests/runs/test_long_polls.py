@@ -89,7 +89,7 @@ async def test_an_empty_claim_answers_empty_when_its_wait_is_over(job, settings)
     settings.INTERNAL_API_LONG_POLL_S = 0.5  # caps the 60 s asked for
     started = time.monotonic()
     response = await job("claim", {"limit": 4, "wait_s": 60})
-    assert response.status_code == 200 and response.json() == {"sessions": []}
+    assert response.status_code == 200 and response.json() == {"sessions": [], "unrewarded": 0}
     assert time.monotonic() - started >= 0.5
 
 
@@ -97,7 +97,7 @@ async def test_a_claim_without_wait_answers_at_once(job, settings):
     settings.INTERNAL_API_LONG_POLL_S = 60
     claim = asyncio.create_task(job("claim", {"limit": 4}))
     response = await asyncio.wait_for(claim, timeout=30)
-    assert response.json() == {"sessions": []}
+    assert response.json() == {"sessions": [], "unrewarded": 0}
 
 
 @pytest.mark.parametrize("wait_s", [-1, "soon", True, float("inf")])
