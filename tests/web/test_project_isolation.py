@@ -36,6 +36,10 @@ DETAIL_REQUESTS = [
     # The owner's answer: the victim's checkpoint files do not exist, so nothing to export.
     ("runs/<str:run_id>/checkpoints/<str:checkpoint_id>/export/", "post", "checkpoint", 409),
     ("runs/<str:run_id>/trajectories.jsonl", "get", "run", 200),
+    ("runs/<str:run_id>/trajectories/export", "get", "run", 200),
+    ("runs/<str:run_id>/trajectories/export/", "get", "run", 200),
+    # The owner's answer: the victim's checkpoint was never exported, so no folder to zip.
+    ("runs/<str:run_id>/checkpoints/<str:checkpoint_id>/download/", "get", "checkpoint", 409),
     ("agents/<str:agent_id>/", "get", "agent", 200),
     ("agents/<str:agent_id>/", "delete", "agent", 204),
     ("sessions/<str:session_id>/", "get", "session", 200),
