@@ -72,6 +72,7 @@ INSTALLED_APPS = [
     "webapp.runs",
     "webapp.agents",
     "webapp.gateway",
+    "webapp.evals",
     "webapp.dashboard",
 ]
 
