@@ -31,7 +31,7 @@ from webapp.accounts.services import (
 from webapp.agents.selectors import agent_get, agent_list
 from webapp.agents.services import AgentInvalid, agent_create
 from webapp.agents.snippets import openai_snippet
-from webapp.dashboard import charts, conversation
+from webapp.dashboard import charts, conversation, eval_views
 from webapp.dashboard.forms import AgentForm, DatasetForm, KeyForm, ProjectForm, RunForm, SignupForm
 from webapp.datasets.selectors import dataset_get, dataset_list
 from webapp.datasets.services import (
@@ -303,7 +303,7 @@ def run_detail(request, project_id, run_id):
         "checkpoints": checkpoint_list(run=run)[:20],
         "agents": agent_list(project=project, run_id=run.id),
         "sessions": session_list(project=project, run_id=run.id)[:10],
-    }
+    } | eval_views.evals_context(run=run)
     return render(request, "dashboard/run_detail.html", context)
 
 
