@@ -61,7 +61,7 @@ urlpatterns = [
     ),
     path(
         "runs/<str:run_id>/trajectories/export/",
-        exports.TrajectoryExportApi.as_view(),
+        exports.TrajectoryExportSlashApi.as_view(),
         name="run-trajectories-export-slash",
     ),
     path(

@@ -10,7 +10,12 @@ from asgiref.sync import sync_to_async
 from django.core.handlers.asgi import ASGIRequest
 from django.http import StreamingHttpResponse
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
+from drf_spectacular.utils import (
+    OpenApiParameter,
+    OpenApiResponse,
+    extend_schema,
+    extend_schema_view,
+)
 from rest_framework import serializers
 
 from webapp.api.errors import Conflict
@@ -88,6 +93,11 @@ class TrajectoryExportApi(ProjectAPIView):
         response = StreamingHttpResponse(streamed(request, chunks), content_type=CONTENT_TYPES[fmt])
         response["Content-Disposition"] = f'attachment; filename="run-{run.id}-trajectories.{fmt}"'
         return response
+
+
+@extend_schema_view(get=extend_schema(operation_id="runs_trajectories_export_file_slash"))
+class TrajectoryExportSlashApi(TrajectoryExportApi):
+    """The same export under the slash form of the API's other routes."""
 
 
 class CheckpointDownloadApi(ProjectAPIView):
