@@ -25,6 +25,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
+import orjson
 from django.db.models import Prefetch, Q
 
 from webapp.gateway.models import Interaction, Session
@@ -130,6 +131,10 @@ def export_rows(*, run: Run, status: str | None = None, chunk_size: int = 100) -
         sessions = sessions.filter(Q(status=status) | Q(trajectory=status))
     for session in sessions.iterator(chunk_size=chunk_size):
         interactions = list(session.interactions.all())
+        # Each prefetched turn points back at its session: drop the cache so a chunk is
+        # freed as soon as it is exported, not at the next cycle collection (measured:
+        # peak memory then stays flat as the run grows, bench/trajectory_export.py).
+        session._prefetched_objects_cache.clear()
         try:
             trajectories = session_trajectories(session, interactions)
         except ValueError:  # a malformed recording must not cut the export short
@@ -141,7 +146,7 @@ def export_rows(*, run: Run, status: str | None = None, chunk_size: int = 100) -
 
 def jsonl_chunks(rows: Iterator[dict]) -> Iterator[bytes]:
     for row in rows:
-        yield (json.dumps(row, ensure_ascii=False) + "\n").encode()
+        yield orjson.dumps(row) + b"\n"  # ~10x json.dumps on long token lists
 
 
 def arrow_schema():
