@@ -119,3 +119,44 @@ async def test_the_trained_toy_model_beats_the_base_model_on_held_out_rows(
     again = evaluate(tiny_model_dir, held[:2], tmp_path / "again.jsonl", **settings)
     first = [json.loads(x) for x in (tmp_path / "base.jsonl").read_text().splitlines()][:2]
     assert again == first
+
+
+def test_a_lora_checkpoint_is_evaluated_with_its_adapter_merged(tiny_model_dir, tmp_path):
+    import torch
+
+    from rl_core.evaluate import load_model
+    from rl_core.export import export_checkpoint
+    from rl_core.hf import load_causal_lm
+    from rl_core.trainer import PPOTrainer
+    from rl_core.types import Trajectory
+
+    cfg = RunConfig.from_dict(
+        {
+            "base_model": str(tiny_model_dir),
+            "reward": {"type": "exact_match"},
+            "batch_size": 2,
+            "group_size": 2,
+            "lora_rank": 4,
+            "learning_rate": 5e-2,
+        }
+    )
+    trainer = PPOTrainer(cfg, device="cpu")
+    gen = torch.Generator().manual_seed(0)
+    batch = []
+    for i in range(2):
+        ids = torch.randint(0, 256, (8,), generator=gen).tolist()
+        mask = [0] * 3 + [1] * 5
+        batch.append(Trajectory(ids, mask, [0.0] * 8, [0 if m else -1 for m in mask], [float(i)]))
+    trainer.train_step(batch)
+    checkpoint = tmp_path / "step_000001"
+    trainer.save_checkpoint(checkpoint)
+
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        evaluated = load_model(checkpoint, torch.device("cpu"))(ids).logits
+        merged = load_causal_lm(
+            export_checkpoint(checkpoint, tmp_path / "merged"), torch.float32, torch.device("cpu")
+        )(ids).logits
+        base = load_causal_lm(tiny_model_dir, torch.float32, torch.device("cpu"))(ids).logits
+    torch.testing.assert_close(evaluated, merged, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(evaluated, base, atol=1e-4), "the adapter must change the model"
