@@ -313,3 +313,36 @@ def test_download_of_unknown_or_another_projects_checkpoint_is_404(
         f"/api/v1/runs/{recorded.other_run.id}/checkpoints/{exported_checkpoint.id}/download/"
     )
     api_error(api.get(wrong_run), 404)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_both_formats_and_the_zip_stream_in_batches_under_asgi(
+    api_key, recorded, exported_checkpoint
+):
+    """Under ASGI a sync iterator would be read whole before the first byte; these are not."""
+    import warnings
+
+    from asgiref.sync import async_to_sync
+    from django.test import AsyncClient
+
+    async def fetch(path: str):
+        response = await AsyncClient().get(path, headers={"Authorization": f"Bearer {api_key}"})
+        return response, [chunk async for chunk in response.streaming_content]
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jsonl, jsonl_chunks = async_to_sync(fetch)(url(recorded.run))
+        parquet, parquet_chunks = async_to_sync(fetch)(url(recorded.run, "?format=parquet"))
+        archive, zip_chunks = async_to_sync(fetch)(download_url(exported_checkpoint))
+    assert not [w for w in caught if "StreamingHttpResponse" in str(w.message)]
+    for response in (jsonl, parquet, archive):
+        assert response.status_code == 200 and response.is_async
+    rows = [json.loads(line) for line in b"".join(jsonl_chunks).decode().splitlines()]
+    assert [row["session_id"] for row in rows] == [
+        str(recorded.multi.id),
+        str(recorded.parts.id),
+        str(recorded.unrewarded.id),
+    ]
+    assert pq.read_table(io.BytesIO(b"".join(parquet_chunks))).to_pylist() == rows
+    with zipfile.ZipFile(io.BytesIO(b"".join(zip_chunks))) as z:
+        assert z.testzip() is None and len(z.namelist()) == 3
