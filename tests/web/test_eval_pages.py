@@ -135,3 +135,21 @@ def test_an_exported_checkpoint_offers_its_zip(member_client, world, tmp_path):
     link = f"/api/v1/runs/{run.id}/checkpoints/{checkpoint.id}/download/?project={run.project_id}"
     assert link in body
     assert member_client.get(link).status_code == 200
+
+
+def test_the_checkpoint_list_polls_while_an_export_runs(member_client, outsider_client, world):
+    _, run = world
+    checkpoint = Checkpoint.objects.create(run=run, version=1, step=1, path="/x")
+    body = member_client.get(run_url(run)).content.decode()
+    section = body[body.index('id="run-checkpoints"') :]
+    assert "hx-trigger" not in section[: section.index(">")]
+    Checkpoint.objects.filter(pk=checkpoint.pk).update(export_status="running")
+    body = member_client.get(run_url(run)).content.decode()
+    section = body[body.index('id="run-checkpoints"') :]
+    assert 'hx-trigger="every 3s"' in section[: section.index(">")]
+    assert "exporting…" in section
+    Checkpoint.objects.filter(pk=checkpoint.pk).update(export_status="done", export_path="/y")
+    fragment = member_client.get(f"{run_url(run)}checkpoints/", **HTMX).content.decode()
+    assert fragment.startswith('<section class="card" id="run-checkpoints"')
+    assert "Download (zip)" in fragment and "hx-trigger" not in fragment
+    assert outsider_client.get(f"{run_url(run)}checkpoints/", **HTMX).status_code == 404

@@ -1,7 +1,7 @@
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from webapp.dashboard import eval_views, views
+from webapp.dashboard import checkpoint_views, eval_views, views
 
 app_name = "dashboard"
 
@@ -20,6 +20,11 @@ urlpatterns = [
         "projects/<str:project_id>/runs/<str:run_id>/checkpoints/<str:checkpoint_id>/export/",
         views.checkpoint_export,
         name="checkpoint-export",
+    ),
+    path(
+        "projects/<str:project_id>/runs/<str:run_id>/checkpoints/",
+        checkpoint_views.run_checkpoints,
+        name="run-checkpoints",
     ),
     path(
         "projects/<str:project_id>/runs/<str:run_id>/evals/",
