@@ -160,3 +160,39 @@ def test_a_lora_checkpoint_is_evaluated_with_its_adapter_merged(tiny_model_dir, 
         base = load_causal_lm(tiny_model_dir, torch.float32, torch.device("cpu"))(ids).logits
     torch.testing.assert_close(evaluated, merged, atol=1e-4, rtol=1e-4)
     assert not torch.allclose(evaluated, base, atol=1e-4), "the adapter must change the model"
+
+
+async def test_the_loop_also_checkpoints_at_each_eval_step(tmp_path):
+    from pathlib import Path
+
+    from rl_core.loop import ListReporter, QueueSource, TrainingLoop
+    from rl_core.types import Trajectory
+
+    class CountingTrainer:
+        version = 0
+
+        def train_step(self, trajectories):
+            self.version += 1
+            return {"rollout/reward": 0.0}
+
+        def save_weights(self, path):
+            return path
+
+        def save_checkpoint(self, path):
+            Path(path).mkdir(parents=True, exist_ok=True)
+            (Path(path) / "state").write_text(str(self.version))
+            return path
+
+        def load_checkpoint(self, path):
+            self.version = int((Path(path) / "state").read_text())
+
+    cfg = RunConfig.from_dict(
+        {"base_model": "m", "reward": {"type": "exact_match"}, "batch_size": 1, "group_size": 1,
+         "save_every": 100, "eval_every": 2, "eval_fraction": 0.1}
+    )  # fmt: skip
+    source, reporter = QueueSource(), ListReporter()
+    for i in range(5):
+        await source.put(f"k{i}", Trajectory([1, 2], [0, 1], [0.0, 0.0], [-1, 0], [1.0]))
+    loop = TrainingLoop(cfg, CountingTrainer(), source, None, reporter, None, tmp_path)
+    await loop.run(max_steps=5)
+    assert [c["step"] for c in reporter.checkpoints] == [2, 4, 5]  # eval steps, then the end
