@@ -225,6 +225,25 @@ class RunConfig:
         50, "Save a checkpoint every this many steps (and always at the end).", min=1
     )
     seed: int = _f(0, "Random seed for sampling and initialisation.", min=0)
+    # Evaluation (rl_core.evals, rl_core.evaluate)
+    eval_every: int = _f(
+        0,
+        "Dataset mode: evaluate a checkpoint on the held-out rows every this many steps, while training goes on (a checkpoint is saved at those steps too). 0: never.",
+        min=0,
+    )
+    eval_fraction: float = _f(
+        0.0,
+        "Share of the dataset's rows held out of training for evaluation (the same rows on every start, chosen by seed). Needed by eval_every; also the default rows of an eval started by hand.",
+        min=0.0,
+        max=0.9,
+    )
+    eval_k: int = _f(4, "Answers sampled per example in an evaluation (pass@k uses k).", min=1)
+    eval_pass_threshold: float = _f(
+        1.0, "An evaluated answer passes (for pass@k) when its reward is at least this."
+    )
+    eval_max_examples: int = _f(
+        100, "Most held-out examples a scheduled evaluation scores (0: all of them).", min=0
+    )
 
     @classmethod
     def field_specs(cls) -> list[dataclasses.Field]:
@@ -295,6 +314,16 @@ class RunConfig:
             bad(
                 "batch_size",
                 f"In dataset mode batch_size ({self.batch_size}) must be a multiple of group_size ({self.group_size}) so groups are trained whole.",
+            )
+        if self.eval_every and self.mode != "dataset":
+            bad(
+                "eval_every",
+                "Scheduled evaluation needs dataset mode (it scores held-out dataset rows with the run's reward); set eval_every to 0.",
+            )
+        elif self.eval_every and not self.eval_fraction:
+            bad(
+                "eval_fraction",
+                "eval_every needs held-out rows: set eval_fraction, e.g. 0.1, so they are kept out of training.",
             )
         if self.lora_target_modules and not self.lora_rank:
             bad(

@@ -460,7 +460,8 @@ class TrainingLoop:
             phases.times.get("timing/wait_batch", 0.0),
         )
 
-        if self.step % cfg.save_every == 0:
+        # An eval step saves too: the web app evaluates that checkpoint (rl_core.evaluate).
+        if self.step % cfg.save_every == 0 or (cfg.eval_every and self.step % cfg.eval_every == 0):
             await self._checkpoint()
         return len(dropped_keys)
 

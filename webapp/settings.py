@@ -73,6 +73,7 @@ INSTALLED_APPS = [
     "webapp.agents",
     "webapp.gateway",
     "webapp.rewards",
+    "webapp.evals",
     "webapp.dashboard",
 ]
 

@@ -80,6 +80,7 @@ def _ray_options(resources: dict[str, float]) -> dict:
 async def run_job(run_id: str, web_url: str, secret: str) -> str:
     from rl_core.adapter_sync import AdapterSync
     from rl_core.chat import load_chat_tokenizer
+    from rl_core.evals import split_rows
     from rl_core.loop import TrainingLoop, WeightSync
     from rl_core.reward_specs import reward_is_deferred
     from rl_core.rewards import load_reward_fn
@@ -177,7 +178,8 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
 
         driver_task = None
         if controller is not None:  # dataset mode
-            rows = await api.dataset_rows()
+            # The held-out rows (eval_fraction) are never trained on: evaluations score them.
+            rows, _ = split_rows(await api.dataset_rows(), config.eval_fraction, config.seed)
             driver = RolloutDriver(
                 config,
                 urls,

@@ -94,7 +94,9 @@ def watch_websocket(
 
 
 def test_dataset_run_trains_reports_live_checkpoints_and_stops(stack, rest, owner):
-    run = create_dataset_run(rest, stack, max_steps=200)
+    # Held-out rows evaluated every 5 steps by the worker while the job trains on.
+    evals = {"eval_every": 5, "eval_fraction": 0.1, "eval_k": 2, "eval_max_examples": 4}
+    run = create_dataset_run(rest, stack, max_steps=200, **evals)
     events: list[dict] = []
     stop_ws = threading.Event()
     watcher = watch_websocket(stack, run["id"], owner, events, stop_ws)
@@ -140,6 +142,26 @@ def test_dataset_run_trains_reports_live_checkpoints_and_stops(stack, rest, owne
         )
         final = run_state(rest, run["id"])
         assert any(e["kind"] == "checkpoint" for e in final["events"])
+        # Training went past the first eval step without waiting for its eval, and each
+        # eval step's checkpoint got exactly one scheduled eval, which finishes.
+        scheduled = rest.get(f"/runs/{run['id']}/evals/?page_size=500").json()["results"]
+        steps = sorted(e["step"] for e in scheduled if e["scheduled"])
+        assert final["step"] >= 12 and steps[:2] == [5, 10], scheduled
+        assert steps == list(range(5, 5 * len(steps) + 1, 5)), steps
+        first = next(e for e in scheduled if e["step"] == 5)
+        wait_for(
+            lambda: (
+                rest.get(f"/runs/{run['id']}/evals/{first['id']}/").json()["status"]
+                in ("done", "failed")
+            ),
+            300,
+            f"the step-5 eval to finish\n{stack.log_tail()}",
+        )
+        done = rest.get(f"/runs/{run['id']}/evals/{first['id']}/").json()
+        assert done["status"] == "done", done["error"]
+        assert done["split"] == "held_out" and done["examples"] == 4
+        eval_points = rest.get(f"/runs/{run['id']}/metrics/?name=eval/mean_reward").json()
+        assert 5 in {p["step"] for p in eval_points["results"]}
     finally:
         stop_ws.set()
         watcher.join(timeout=5)

@@ -15,6 +15,7 @@ from webapp.agents.models import Agent
 from webapp.agents.services import AgentInvalid, agent_bind_run, agent_create
 from webapp.api import urls as api_urls
 from webapp.datasets.models import Dataset
+from webapp.evals.models import Eval
 from webapp.gateway.models import Session
 from webapp.runs.models import Checkpoint, MetricPoint, Run
 from webapp.runs.services import RunInvalid, run_create
@@ -36,6 +37,15 @@ DETAIL_REQUESTS = [
     # The owner's answer: the victim's checkpoint files do not exist, so nothing to export.
     ("runs/<str:run_id>/checkpoints/<str:checkpoint_id>/export/", "post", "checkpoint", 409),
     ("runs/<str:run_id>/trajectories.jsonl", "get", "run", 200),
+    ("runs/<str:run_id>/trajectories/export", "get", "run", 200),
+    ("runs/<str:run_id>/trajectories/export/", "get", "run", 200),
+    # The owner's answer: the victim's checkpoint was never exported, so no folder to zip.
+    ("runs/<str:run_id>/checkpoints/<str:checkpoint_id>/download/", "get", "checkpoint", 409),
+    ("runs/<str:run_id>/evals/", "get", "run", 200),
+    # The owner's answer to an empty body: name a model to evaluate.
+    ("runs/<str:run_id>/evals/", "post", "run", 409),
+    ("runs/<str:run_id>/evals/<str:eval_id>/", "get", "evaluation", 200),
+    ("runs/<str:run_id>/evals/<str:eval_id>/examples/", "get", "evaluation", 200),
     ("agents/<str:agent_id>/", "get", "agent", 200),
     ("agents/<str:agent_id>/", "delete", "agent", 204),
     ("sessions/<str:session_id>/", "get", "session", 200),
@@ -59,8 +69,8 @@ SECRETS = [
 
 def path_for(route: str, obj) -> str:
     def fill(param: re.Match) -> str:
-        # A checkpoint's routes name its run too.
-        if param.group(1) == "run_id" and isinstance(obj, Checkpoint):
+        # A checkpoint's and an eval's routes name its run too.
+        if param.group(1) == "run_id" and isinstance(obj, Checkpoint | Eval):
             return str(obj.run_id)
         return str(obj.id)
 
@@ -81,6 +91,15 @@ def victim(project, make_dataset, make_run, make_agent, set_status):
         spare_dataset=make_dataset(project, name="spare-dataset"),
         run=run,
         checkpoint=checkpoint,
+        evaluation=Eval.objects.create(
+            project=project,
+            run=run,
+            dataset=dataset,
+            k=1,
+            pass_threshold=1.0,
+            max_new_tokens=4,
+            temperature=1.0,
+        ),  # fmt: skip
         queued_run=set_status(make_run(project, name="queued-run"), Run.Status.QUEUED),
         agent=agent,
         key=key,

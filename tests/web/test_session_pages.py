@@ -330,7 +330,9 @@ def test_run_page_lists_recent_sessions_and_the_export(member_client, world):
     section = body[body.index('id="run-sessions"') :]
     assert session_url(world.project, world.chat) in section
     assert session_url(world.project, world.live) in section
-    assert f"/api/v1/runs/{world.run.id}/trajectories.jsonl?project={world.project.id}" in section
+    export = f"/api/v1/runs/{world.run.id}/trajectories/export"
+    assert f"{export}?project={world.project.id}" in section
+    assert f"{export}?format=parquet&amp;project={world.project.id}" in section
     assert str(world.secret.id) not in body
 
 

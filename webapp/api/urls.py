@@ -4,6 +4,8 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 from webapp.accounts import apis as accounts
 from webapp.agents import apis as agents
 from webapp.datasets import apis as datasets
+from webapp.evals import apis as evals
+from webapp.exports import apis as exports
 from webapp.gateway import apis as sessions
 from webapp.rewards import apis as rewards
 from webapp.runs import apis as runs
@@ -51,6 +53,29 @@ urlpatterns = [
         "runs/<str:run_id>/trajectories.jsonl",
         sessions.RunTrajectoriesExportApi.as_view(),
         name="run-trajectories",
+    ),
+    # The exact path (no trailing slash), and the slash form of the API's other routes.
+    path(
+        "runs/<str:run_id>/trajectories/export",
+        exports.TrajectoryExportApi.as_view(),
+        name="run-trajectories-export",
+    ),
+    path(
+        "runs/<str:run_id>/trajectories/export/",
+        exports.TrajectoryExportSlashApi.as_view(),
+        name="run-trajectories-export-slash",
+    ),
+    path(
+        "runs/<str:run_id>/checkpoints/<str:checkpoint_id>/download/",
+        exports.CheckpointDownloadApi.as_view(),
+        name="run-checkpoint-download",
+    ),
+    path("runs/<str:run_id>/evals/", evals.EvalListApi.as_view(), name="run-evals"),
+    path("runs/<str:run_id>/evals/<str:eval_id>/", evals.EvalDetailApi.as_view(), name="run-eval"),
+    path(
+        "runs/<str:run_id>/evals/<str:eval_id>/examples/",
+        evals.EvalExamplesApi.as_view(),
+        name="run-eval-examples",
     ),
     path("agents/", agents.AgentListApi.as_view(), name="agents"),
     path("agents/<str:agent_id>/", agents.AgentDetailApi.as_view(), name="agent"),

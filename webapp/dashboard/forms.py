@@ -30,7 +30,8 @@ class KeyForm(forms.Form):
 class DatasetForm(forms.Form):
     name = forms.CharField(max_length=200)
     file = forms.FileField(
-        help_text='JSONL, one {"prompt": ...} or {"messages": [...]} per line; optional "answer", "metadata".'
+        help_text='JSONL, one {"prompt": ...} or {"messages": [...]} per line; optional "answer", "metadata". '
+        "A run's trajectory export (JSONL or Parquet) works too: replay or SFT data."
     )
 
 

@@ -1,7 +1,7 @@
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from webapp.dashboard import feedback, views
+from webapp.dashboard import checkpoint_views, eval_views, feedback, views
 
 app_name = "dashboard"
 
@@ -20,6 +20,26 @@ urlpatterns = [
         "projects/<str:project_id>/runs/<str:run_id>/checkpoints/<str:checkpoint_id>/export/",
         views.checkpoint_export,
         name="checkpoint-export",
+    ),
+    path(
+        "projects/<str:project_id>/runs/<str:run_id>/checkpoints/",
+        checkpoint_views.run_checkpoints,
+        name="run-checkpoints",
+    ),
+    path(
+        "projects/<str:project_id>/runs/<str:run_id>/evals/",
+        eval_views.run_evals,
+        name="run-evals",
+    ),
+    path(
+        "projects/<str:project_id>/runs/<str:run_id>/evals/new/",
+        eval_views.eval_create,
+        name="eval-create",
+    ),
+    path(
+        "projects/<str:project_id>/runs/<str:run_id>/evals/<str:eval_id>/",
+        eval_views.eval_detail,
+        name="eval",
     ),
     path(
         "projects/<str:project_id>/runs/<str:run_id>/<str:action>/",

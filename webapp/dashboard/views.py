@@ -31,7 +31,7 @@ from webapp.accounts.services import (
 from webapp.agents.selectors import agent_get, agent_list
 from webapp.agents.services import AgentInvalid, agent_create
 from webapp.agents.snippets import openai_snippet
-from webapp.dashboard import charts, conversation
+from webapp.dashboard import charts, checkpoint_views, conversation, eval_views
 from webapp.dashboard.forms import AgentForm, DatasetForm, KeyForm, ProjectForm, RunForm, SignupForm
 from webapp.datasets.selectors import dataset_get, dataset_list
 from webapp.datasets.services import (
@@ -55,7 +55,6 @@ from webapp.rewards.selectors import reward_summary, session_feedback
 from webapp.runs.selectors import (
     checkpoint_for_step,
     checkpoint_get,
-    checkpoint_list,
     known_models,
     metric_latest,
     metric_points,
@@ -302,12 +301,12 @@ def run_detail(request, project_id, run_id):
         "chart_data": data | {"config": charts.client_config(), "maxSteps": max_steps},
         "chart_stride": stride,
         "latest_metrics": charts.latest_values(metric_latest(run=run)),
-        "checkpoints": checkpoint_list(run=run)[:20],
         "agents": agent_list(project=project, run_id=run.id),
         "sessions": session_list(project=project, run_id=run.id)[:10],
         "settings": redact_config(run.config),
         "rewards": reward_summary(run=run),
     }
+    context |= checkpoint_views.checkpoints_context(run=run) | eval_views.evals_context(run=run)
     return render(request, "dashboard/run_detail.html", context)
 
 

@@ -33,7 +33,10 @@ class DatasetDetailOutput(DatasetOutput):
 class DatasetCreateInput(serializers.Serializer):
     name = serializers.CharField(max_length=200)
     file = serializers.FileField(
-        help_text='JSONL: one {"prompt"} or {"messages"} object per line, optional "answer" and "metadata".'
+        help_text='JSONL: one {"prompt"} or {"messages"} object per line, optional "answer" and '
+        '"metadata". Or a run\'s trajectory export (JSONL or Parquet, from '
+        "runs/{id}/trajectories/export): each trajectory becomes a row, its messages before "
+        "the answer, the answer, and every other column in metadata."
     )
 
 
@@ -47,7 +50,7 @@ class DatasetListApi(ProjectAPIView):
     @extend_schema(
         request={"multipart/form-data": DatasetCreateInput},
         responses={201: DatasetDetailOutput},
-        summary="Upload a JSONL dataset",
+        summary="Upload a dataset (JSONL, or a trajectory export as JSONL or Parquet)",
     )
     def post(self, request):
         data = DatasetCreateInput(data=request.data)

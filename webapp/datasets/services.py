@@ -11,6 +11,7 @@ from django.conf import settings
 from django.db import IntegrityError, transaction
 
 from webapp.accounts.models import Project
+from webapp.datasets.importing import UnreadableUpload, upload_lines
 from webapp.datasets.models import Dataset
 from webapp.datasets.validation import ValidationReport, validate_lines
 
@@ -46,7 +47,8 @@ def _dataset_dir(project: Project) -> Path:
 
 
 def dataset_create(*, project: Project, name: str, file, user=None) -> Dataset:
-    """Validate ``file`` (a Django UploadedFile or binary file) and store it.
+    """Validate ``file`` (a Django UploadedFile or binary file: JSONL, or a trajectory export
+    as JSONL or Parquet, see ``importing``) and store it.
 
     Raises DatasetTooLarge, DatasetInvalid (with line-numbered errors) or
     DatasetNameTaken; on any error nothing is stored.
@@ -66,12 +68,15 @@ def dataset_create(*, project: Project, name: str, file, user=None) -> Dataset:
     written = 0
     try:
         with open(partial, "w", encoding="utf-8") as out:
-            for row in validate_lines(_iter_lines(file), report):
-                line = json.dumps(row, ensure_ascii=False) + "\n"
-                written += len(line.encode())
-                out.write(line)
-                if len(preview) < PREVIEW_ROWS:
-                    preview.append(row)
+            try:
+                for row in validate_lines(upload_lines(file), report):
+                    line = json.dumps(row, ensure_ascii=False) + "\n"
+                    written += len(line.encode())
+                    out.write(line)
+                    if len(preview) < PREVIEW_ROWS:
+                        preview.append(row)
+            except UnreadableUpload as exc:
+                report.add_error(1, str(exc))
             out.flush()
             os.fsync(out.fileno())
         if report.bad_lines:
@@ -97,13 +102,6 @@ def dataset_create(*, project: Project, name: str, file, user=None) -> Dataset:
             raise DatasetNameTaken(name) from None
     finally:
         partial.unlink(missing_ok=True)
-
-
-def _iter_lines(uploaded_file):
-    # Django's UploadedFile and plain binary files both iterate line by line.
-    if hasattr(uploaded_file, "seek"):
-        uploaded_file.seek(0)
-    yield from uploaded_file
 
 
 def dataset_delete(*, dataset: Dataset) -> None:

@@ -10,6 +10,7 @@ from django.db import connection, transaction
 from django.utils import timezone
 
 from webapp.accounts.keys import generate_key, hash_key
+from webapp.evals.services import eval_schedule_for_checkpoint
 from webapp.gateway import lifecycle
 from webapp.gateway.models import Interaction
 from webapp.gateway.selectors import session_trajectories
@@ -143,6 +144,8 @@ def job_report_checkpoint(
     RunEvent.objects.create(
         run=run, kind="checkpoint", message=f"Saved version {version} at step {step}."
     )
+    # eval_every: queued for a worker; the job goes on training meanwhile.
+    eval_schedule_for_checkpoint(checkpoint=checkpoint)
     return checkpoint
 
 

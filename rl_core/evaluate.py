@@ -1,0 +1,200 @@
+"""Evaluate a model (a run's base model or one of its checkpoints) on dataset rows.
+
+``python -m rl_core.evaluate MODEL ROWS OUT --tokenizer DIR --reward JSON --k K ...`` samples
+``k`` answers per row with the run's chat template and scores each with the run's reward
+function (``rl_core.rewards``), writing one JSON line per row to ``OUT``:
+``{"index", "messages", "answer", "completions", "rewards", "errors"}``; the summary
+(pass@k, mean reward, intervals) is ``rl_core.evals.summarize`` over the rewards.
+
+Why a process of its own, at the lowest CPU priority, and not the run's inference servers:
+an evaluation during training must never hold training up. Sharing the run's servers would
+queue its requests beside the rollouts (and a weight update pauses them mid-eval, so one
+eval would straddle two policies); a separate process loads the checkpoint it was asked
+about, so its answers all come from one set of weights, and ``nice`` 19 (``STEEP_EVAL_NICE``)
+lets the trainer and the servers take the CPU first. On a GPU cluster the same process
+runs on whatever device it is given (``STEEP_EVAL_DEVICE``; default CPU).
+
+Progress goes to stdout as ``progress <done> <total>`` lines. A LoRA checkpoint's adapter
+is merged into its base weights first (``rl_core.lora``). Sampling is seeded per row, so a
+rerun of the same model gives the same answers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rl_core import lora
+from rl_core.chat import ChatTokenizer, load_chat_tokenizer
+from rl_core.hf import load_causal_lm
+from rl_core.rewards import RewardFn, load_reward_fn, score
+from rl_core.rollout import member_seed, row_messages, row_metadata
+
+GREEDY_BELOW = 1e-6  # SGLang's epsilon: a lower temperature is greedy decoding
+
+
+def load_model(path: str | os.PathLike, device: torch.device) -> Any:
+    """The model at ``path`` (a model folder, or a run's full or LoRA checkpoint), for inference."""
+    if lora.is_lora_checkpoint(path):
+        from peft import PeftModel
+
+        base = load_causal_lm(lora.adapter_base(path), torch.float32, device)
+        model = PeftModel.from_pretrained(base, str(path)).merge_and_unload()
+    else:
+        model = load_causal_lm(path, torch.float32, device)
+    return model.eval()
+
+
+@torch.no_grad()
+def sample(
+    model: Any,
+    prompt: list[int],
+    *,
+    k: int,
+    max_new_tokens: int,
+    temperature: float,
+    stop_ids: set[int],
+    seed: int,
+) -> list[list[int]]:
+    """``k`` answers to ``prompt`` (each ending at its first stop token, which is kept)."""
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    out = model(torch.tensor([prompt] * k, device=device), use_cache=True)
+    answers: list[list[int]] = [[] for _ in range(k)]
+    done = [False] * k
+    for _ in range(max_new_tokens):
+        logits = out.logits[:, -1].float()  # [k, V]
+        if temperature < GREEDY_BELOW:
+            tokens = logits.argmax(-1)  # [k]
+        else:
+            probs = torch.softmax(logits / temperature, dim=-1)
+            tokens = torch.multinomial(probs, 1, generator=generator)[:, 0]  # [k]
+        for i, token in enumerate(tokens.tolist()):
+            if not done[i]:
+                answers[i].append(token)
+                done[i] = token in stop_ids
+        if all(done):
+            break
+        out = model(tokens[:, None], past_key_values=out.past_key_values, use_cache=True)
+    return answers
+
+
+def evaluate_row(
+    model: Any,
+    tokenizer: ChatTokenizer,
+    reward_fn: RewardFn,
+    row: dict[str, Any],
+    index: int,
+    *,
+    k: int,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+) -> dict[str, Any]:
+    messages = row_messages(row)
+    prompt_text = tokenizer.render(messages)
+    answers = sample(
+        model,
+        tokenizer.encode(prompt_text),
+        k=k,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        stop_ids=set(tokenizer.eos_token_ids),
+        seed=member_seed(seed, index, 0),
+    )
+    completions, rewards, errors = [], [], []
+    for ids in answers:
+        text = tokenizer.decode(ids)
+        reward, error = score(reward_fn, prompt_text, text, row.get("answer"), row_metadata(row))
+        completions.append(text)
+        rewards.append(reward)
+        errors.append(error)
+    return {
+        "index": index,
+        "messages": messages,
+        "answer": row.get("answer"),
+        "completions": completions,
+        "rewards": rewards,
+        "errors": errors,
+    }
+
+
+def evaluate(
+    model_path: str | os.PathLike,
+    rows: list[dict[str, Any]],
+    out: str | os.PathLike,
+    *,
+    tokenizer: str,
+    reward: dict[str, Any] | str,
+    k: int,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int = 0,
+    device: str = "cpu",
+) -> list[dict[str, Any]]:
+    """Evaluate ``model_path`` on ``rows``; each row's result is appended to ``out`` as it is
+    done. Returns the results."""
+    reward_fn = load_reward_fn(reward)
+    chat = load_chat_tokenizer(str(tokenizer))
+    model = load_model(model_path, torch.device(device))
+    results = []
+    with open(out, "w", encoding="utf-8") as handle:
+        for index, row in enumerate(rows):
+            result = evaluate_row(
+                model,
+                chat,
+                reward_fn,
+                row,
+                index,
+                k=k,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                seed=seed,
+            )
+            handle.write(json.dumps(result, ensure_ascii=False) + "\n")
+            handle.flush()
+            results.append(result)
+            print(f"progress {index + 1} {len(rows)}", flush=True)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model", help="a model folder, or a run's checkpoint directory")
+    parser.add_argument("rows", help="dataset rows, JSON lines")
+    parser.add_argument("out", help="where to write one result line per row")
+    parser.add_argument("--tokenizer", required=True, help="the run's base model directory")
+    parser.add_argument("--reward", required=True, help="the run's reward setting, as JSON")
+    parser.add_argument("--k", type=int, required=True)
+    parser.add_argument("--max-new-tokens", type=int, required=True)
+    parser.add_argument("--temperature", type=float, required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    os.nice(int(os.environ.get("STEEP_EVAL_NICE", "19")))
+    torch.set_num_threads(
+        int(os.environ.get("STEEP_TORCH_THREADS", "0")) or torch.get_num_threads()
+    )
+    rows = [json.loads(line) for line in Path(args.rows).read_text().splitlines() if line.strip()]
+    evaluate(
+        args.model,
+        rows,
+        args.out,
+        tokenizer=args.tokenizer,
+        reward=json.loads(args.reward),
+        k=args.k,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+        device=os.environ.get("STEEP_EVAL_DEVICE", "cpu"),
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
