@@ -134,6 +134,14 @@ class AdapterSync:
         while self._retiring:
             await asyncio.gather(*list(self._retiring), return_exceptions=True)
 
+    async def unload_all(self) -> None:
+        """Unload every adapter this sync loaded (a shared pool outlives the run)."""
+        await self.drain()
+        clients = self._get_clients()
+        for _, name in self.loaded:
+            await self._unload(name, clients)
+        self.loaded, self.current = [], None
+
     def _prune(self) -> None:
         # Keep the directories of the adapters still loaded (a server may reload from them).
         live = {f"v{v}" for v, _ in self.loaded}

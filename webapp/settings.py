@@ -70,6 +70,7 @@ INSTALLED_APPS = [
     "webapp.accounts",
     "webapp.datasets",
     "webapp.runs",
+    "webapp.pools",
     "webapp.agents",
     "webapp.gateway",
     "webapp.dashboard",

@@ -5,6 +5,7 @@ from webapp.accounts import apis as accounts
 from webapp.agents import apis as agents
 from webapp.datasets import apis as datasets
 from webapp.gateway import apis as sessions
+from webapp.pools import apis as pools
 from webapp.runs import apis as runs
 
 urlpatterns = [
@@ -51,6 +52,11 @@ urlpatterns = [
         sessions.RunTrajectoriesExportApi.as_view(),
         name="run-trajectories",
     ),
+    path("pools/", pools.PoolListApi.as_view(), name="pools"),
+    path("pools/<str:name>/", pools.PoolDetailApi.as_view(), name="pool"),
+    path("pools/<str:name>/scale/", pools.PoolScaleApi.as_view(), name="pool-scale"),
+    path("pools/<str:name>/start/", pools.PoolStartApi.as_view(), name="pool-start"),
+    path("pools/<str:name>/stop/", pools.PoolStopApi.as_view(), name="pool-stop"),
     path("agents/", agents.AgentListApi.as_view(), name="agents"),
     path("agents/<str:agent_id>/", agents.AgentDetailApi.as_view(), name="agent"),
     path("sessions/", sessions.SessionListApi.as_view(), name="sessions"),
