@@ -11,5 +11,6 @@ urlpatterns = [
     # Browsers ask for /favicon.ico whatever the page links; the icon is a static SVG.
     path("favicon.ico", RedirectView.as_view(url=static("favicon.svg"), permanent=True)),
     path("", include("webapp.gateway.urls")),
+    path("", include("webapp.pools.urls")),
     path("", include("webapp.dashboard.urls")),
 ]
