@@ -1,7 +1,8 @@
 """Two projects' LoRA runs on one shared pool: one torch-engine process serves both, and each
 run's adapter changes only its own agents' answers.
 
-The runs attach as their jobs do (``workers.job_api``: the pool's servers, then
+The pool's servers come from its own job (``workers.pool_job.run_pool`` on a local Ray
+head: a replica actor in a placement group), registered over the internal API. The runs attach as their jobs do (``workers.job_api``: the pool's servers, then
 ``register_server``), publish their adapters with the job's ``AdapterSync`` from a real
 LoRA trainer, and report the version over the internal API; the agents call the gateway
 with the official ``openai`` SDK.
@@ -10,14 +11,19 @@ with the official ``openai`` SDK.
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
+import tempfile
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from rl_core.inference.launch import TorchEngineServer
 from webapp.gateway.models import Session
-from webapp.pools.services import pool_create, pool_server_register, pool_transition
+from webapp.pools.models import Pool
+from webapp.pools.services import pool_create, pool_job_secret_issue, pool_transition
 from webapp.runs.jobs import job_secret_issue
 from workers.job_api import InternalAPI, WebReporter
 
@@ -27,20 +33,60 @@ ASK = [{"role": "user", "content": "Name a colour."}]
 
 
 @pytest.fixture
-def pool_engine(tiny_model_dir: Path, tmp_path: Path) -> Iterator[TorchEngineServer]:
-    """One torch engine serving LoRA adapters: the pool's only server."""
-    server = TorchEngineServer(
-        tiny_model_dir,
-        host="127.0.0.1",
-        weight_version=0,
-        num_threads=1,
-        lora_rank=8,
-        max_loras_per_batch=4,
-        log_path=tmp_path / "pool-engine.log",
+def local_ray() -> Iterator[None]:
+    """A Ray head of this test's own (2 CPUs); nothing of it outlives the test."""
+    import ray
+
+    from workers.ray_cluster import _pids_naming
+
+    temp_dir = tempfile.mkdtemp(prefix="steep-ray-pool-")
+    saved = {k: os.environ.pop(k) for k in ("RAY_ADDRESS",) if k in os.environ}
+    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING, _temp_dir=temp_dir)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        os.environ.update(saved)
+        deadline = time.monotonic() + 30
+        while _pids_naming(temp_dir) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not _pids_naming(temp_dir), "Ray processes were left behind"
+
+
+@pytest.fixture
+def pool_job(local_ray, gateway_url: str, tiny_model_dir: Path) -> Iterator[Pool]:
+    """The pool's own job (``workers.pool_job``) keeping one LoRA-serving torch engine up as
+    a Ray actor in its placement group; stopped as an operator stops it."""
+    from workers.pool_job import run_pool
+
+    pool = pool_create(
+        name="shared",
+        base_model=str(tiny_model_dir),
+        backend="torch",
+        max_lora_rank=8,
+        max_loaded_adapters=4,
+        start=False,
     )
-    server.start()
-    yield server
-    server.stop()
+    pool = pool_transition(pool=pool, to="starting")
+    secret = pool_job_secret_issue(pool=pool, job_id="in-test")
+    outcome: list = []
+    job = threading.Thread(
+        target=lambda: outcome.append(asyncio.run(run_pool(str(pool.id), gateway_url, secret)))
+    )
+    job.start()
+    deadline = time.monotonic() + 240
+    while not pool.servers.exists() and job.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    pool.refresh_from_db()
+    assert pool.status == "running", pool.error
+    try:
+        yield pool
+    finally:
+        pool_transition(pool=pool, to="stopping")
+        job.join(timeout=120)
+        pool.refresh_from_db()
+        assert outcome == ["stopped"] and pool.status == "stopped"
+        assert not pool.servers.exists()
 
 
 async def _attach(api: InternalAPI) -> None:
@@ -74,7 +120,7 @@ async def _publish(api: InternalAPI, run, trainer, engine_url: str, adapters: Pa
 
 
 def test_two_projects_share_one_engine_and_each_adapter_changes_only_its_own_run(
-    pool_engine,
+    pool_job,
     gateway_url,
     tiny_model_dir,
     project,
@@ -91,14 +137,7 @@ def test_two_projects_share_one_engine_and_each_adapter_changes_only_its_own_run
     from rl_core.trainer import PPOTrainer
     from tests.rl_core.test_trainer import _cfg
 
-    pool = pool_create(
-        name="shared", base_model=str(tiny_model_dir), backend="torch", max_lora_rank=8, start=False
-    )
-    pool_engine.wait_healthy(timeout=120)
-    pool_server_register(
-        pool=pool_transition(pool=pool, to="starting"), url=pool_engine.url, backend="torch"
-    )
-
+    (engine_url,) = pool_job.servers.values_list("url", flat=True)
     lora = {"base_model": str(tiny_model_dir), "lora_rank": 8, "lora_alpha": 16.0}
     teams = {}
     for name, owner, key in (("a", project, api_key), ("b", other_project, other_api_key)):
@@ -129,21 +168,21 @@ def test_two_projects_share_one_engine_and_each_adapter_changes_only_its_own_run
     trainer = PPOTrainer(_cfg(str(tiny_model_dir), lora_rank=8, lora_alpha=16.0))
     trainer.model.eval()
     run_a, api_a = teams["a"][:2]
-    asyncio.run(_publish(api_a(), run_a, trainer, pool_engine.url, tmp_path / "a", seed=11))
+    asyncio.run(_publish(api_a(), run_a, trainer, engine_url, tmp_path / "a", seed=11))
     tuned_a = answer("a")
     assert tuned_a[1] == "steep-v1" and tuned_a[0] != base_a[0]
     assert answer("b") == base_b  # run a's adapter is not run b's
 
     run_b, api_b = teams["b"][:2]
-    asyncio.run(_publish(api_b(), run_b, trainer, pool_engine.url, tmp_path / "b", seed=12))
+    asyncio.run(_publish(api_b(), run_b, trainer, engine_url, tmp_path / "b", seed=12))
     tuned_b = answer("b")
     assert tuned_b[1] == "steep-v1" and tuned_b[0] != base_b[0]
     assert answer("a") == tuned_a  # and run b's is not run a's
 
     # One engine process served every turn of both projects.
-    assert set(Session.objects.values_list("server_url", flat=True)) == {pool_engine.url}
+    assert set(Session.objects.values_list("server_url", flat=True)) == {engine_url}
     assert {str(run_a.id), str(run_b.id)} <= {
-        name.rsplit("-v", 1)[0] for name in _loaded(pool_engine.url)
+        name.rsplit("-v", 1)[0] for name in _loaded(engine_url)
     }
     # Project b's key cannot reach project a's agent.
     intruder = OpenAI(
