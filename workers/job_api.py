@@ -103,6 +103,22 @@ class InternalAPI:
                 )
             await asyncio.sleep(poll_s)
 
+    def pool_hooks(self, backend: str):
+        """``AdapterSync``'s ``refresh`` and ``on_change`` for a run on a shared pool: the
+        pool's servers now, and the run's own server list kept in step with them (a server
+        is the run's once its current adapter is loaded there)."""
+
+        async def refresh() -> list[str]:
+            return [server["url"] for server in (await self.call("GET", "pool"))["servers"]]
+
+        async def on_change(added: list[str], removed: list[str]) -> None:
+            for url in added:
+                await self.register_server(url, backend)
+            for url in removed:
+                await self.unregister_server(url)
+
+        return refresh, on_change
+
     async def register_server(self, url: str, backend: str) -> None:
         await self.call("POST", "servers", {"url": url, "backend": backend})
 

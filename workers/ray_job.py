@@ -115,8 +115,12 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
         reporter = WebReporter(api)
         source = WebSource(api)
         # LoRA: each version is loaded as a new adapter, no pause (rl_core/adapter_sync.py).
+        # On a shared pool the servers may change between steps: each push takes the pool's.
+        refresh, on_change = api.pool_hooks(backend) if config.inference_pool else (None, None)
         weight_sync = (
-            AdapterSync(urls, data_dir / "adapters", prefix=run_id)
+            AdapterSync(
+                urls, data_dir / "adapters", prefix=run_id, refresh=refresh, on_change=on_change
+            )
             if config.lora_rank
             else WeightSync(urls, data_dir / "weights", strategy=config.weight_sync)
         )
@@ -206,6 +210,8 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
                     await weight_sync.aclose()
             except Exception:
                 logger.exception("could not close the weight sync")
+        if isinstance(weight_sync, AdapterSync):  # a pool's servers may have changed
+            urls = weight_sync.urls
         for url in urls:
             try:
                 await api.unregister_server(url)

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from webapp.gateway.models import Session
+from webapp.gateway.models import InferenceServer, Session
 from webapp.pools.models import Pool
-from webapp.pools.services import pool_create, pool_job_secret_issue, pool_transition
+from webapp.pools.services import pool_create, pool_job_secret_issue, pool_scale, pool_transition
 from webapp.runs.jobs import job_secret_issue
 from workers.job_api import InternalAPI, WebReporter
 
@@ -99,7 +99,8 @@ async def _attach(api: InternalAPI) -> None:
 
 
 async def _publish(api: InternalAPI, run, trainer, engine_url: str, adapters: Path, seed: int):
-    """One "training step" of ``run``: a new adapter (random B), loaded as ``<run id>-v1``."""
+    """One "training step" of ``run``: a new adapter (random B) loaded as ``<run id>-v<N>`` on
+    the pool's servers as they are now, wired as the run's job wires it."""
     import torch
 
     from rl_core.adapter_sync import AdapterSync
@@ -109,14 +110,23 @@ async def _publish(api: InternalAPI, run, trainer, engine_url: str, adapters: Pa
         for name, param in trainer.model.named_parameters():
             if "lora_B" in name:
                 param.normal_(0.0, 0.2)
-    trainer.version = 1
-    sync = AdapterSync([engine_url], adapters, prefix=str(run.id))
+    refresh, on_change = api.pool_hooks("torch")
+    sync = AdapterSync(
+        [engine_url], adapters, prefix=str(run.id), refresh=refresh, on_change=on_change
+    )
     try:
-        assert await sync.push(trainer) == 1
-        await WebReporter(api).version(1)  # what the loop reports after a step
+        assert await sync.push(trainer) == trainer.version
+        await WebReporter(api).version(trainer.version)  # what the loop reports after a step
     finally:
         await sync.aclose()
         await api.aclose()
+
+
+def _wait_for_servers(pool: Pool, count: int) -> list[str]:
+    deadline = time.monotonic() + 240
+    while pool.servers.count() != count and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return list(pool.servers.values_list("url", flat=True))
 
 
 def test_two_projects_share_one_engine_and_each_adapter_changes_only_its_own_run(
@@ -167,6 +177,7 @@ def test_two_projects_share_one_engine_and_each_adapter_changes_only_its_own_run
 
     trainer = PPOTrainer(_cfg(str(tiny_model_dir), lora_rank=8, lora_alpha=16.0))
     trainer.model.eval()
+    trainer.version = 1
     run_a, api_a = teams["a"][:2]
     asyncio.run(_publish(api_a(), run_a, trainer, engine_url, tmp_path / "a", seed=11))
     tuned_a = answer("a")
@@ -192,6 +203,28 @@ def test_two_projects_share_one_engine_and_each_adapter_changes_only_its_own_run
     )
     with pytest.raises(NotFoundError):
         intruder.chat.completions.create(model="policy", messages=ASK, max_tokens=2)
+
+    # The operator scales the pool: run a's next step publishes to the new server too, and
+    # only then is it one of run a's servers; run b keeps its one until its own next step.
+    pool_scale(pool=pool_job, replicas=2)
+    urls = _wait_for_servers(pool_job, 2)
+    assert len(urls) == 2
+    trainer.version = 2
+    asyncio.run(_publish(api_a(), run_a, trainer, engine_url, tmp_path / "a", seed=13))
+    served = InferenceServer.objects.filter(run=run_a).values_list("url", flat=True)
+    assert sorted(served) == sorted(urls)
+    assert list(InferenceServer.objects.filter(run=run_b).values_list("url", flat=True)) == [
+        engine_url
+    ]
+    (new_url,) = set(urls) - {engine_url}
+    assert f"{run_a.id}-v2" in _loaded(new_url) and not any(
+        name.startswith(str(run_b.id)) for name in _loaded(new_url)
+    )
+    assert answer("a")[1] == "steep-v2"
+    # Scaled back down: the server that leaves leaves every run's list.
+    pool_scale(pool=pool_job, replicas=1)
+    assert len(_wait_for_servers(pool_job, 1)) == 1
+    assert InferenceServer.objects.filter(run=run_a).count() == 1
     for _, _, _, client in teams.values():
         client.close()
     intruder.close()

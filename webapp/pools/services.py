@@ -187,9 +187,10 @@ def pool_server_unregister(*, pool: Pool, url: str) -> None:
     from webapp.runs.models import Run
 
     url = url.rstrip("/")
-    PoolServer.objects.filter(pool=pool, url=url).delete()
-    attached = Run.objects.filter(config__inference_pool=pool.name)
-    InferenceServer.objects.filter(run__in=attached, url=url).delete()
+    with transaction.atomic():
+        PoolServer.objects.filter(pool=pool, url=url).delete()
+        attached = Run.objects.filter(config__inference_pool=pool.name)
+        InferenceServer.objects.filter(run__in=attached, url=url).delete()
 
 
 def pool_job_report_status(*, pool: Pool, status: str, error: str = "") -> Pool:
