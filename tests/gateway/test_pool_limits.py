@@ -54,6 +54,19 @@ def test_a_run_over_its_pool_session_limit_gets_a_429_naming_it(
     gw.start_session()  # the ended session's slot is free again
 
 
+def test_a_run_whose_pool_is_down_gets_a_503_naming_the_pool(
+    make_gateway, project, api_key, tiny_model_dir, openai_error
+):
+    pool_create(name="down", base_model=str(tiny_model_dir), start=False)
+    gw = make_gateway(project, api_key, servers=[], lora_rank=8, inference_pool="down")
+    ask = {"model": gw.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for stream in (False, True):
+        response = gw.post("/chat/completions", {**ask, "stream": stream})
+        error = openai_error(response, 503)
+        assert error["code"] == "pool_unavailable" and "'down'" in error["message"]
+        assert response.headers["Retry-After"] == "5"
+
+
 def test_requests_in_flight_hold_their_share_until_given_back(pool_with_limit):
     async def scenario():
         assert await limits.take("run-a", "shared", 1) == 1

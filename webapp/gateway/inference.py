@@ -95,6 +95,8 @@ async def generate(
         return await _generate(
             run_id, sticky, input_ids, sampling_params, n, seed, top_logprobs, lora_path
         )
+    except GatewayError as exc:
+        raise _named_pool(exc, pool) from None
     finally:
         pool_limits.give_back(run_id, taken)
 
@@ -238,8 +240,10 @@ async def generate_stream(
         generation = await _generate_stream(
             run_id, sticky, input_ids, sampling_params, n, seed, top_logprobs, lora_path
         )
-    except BaseException:
+    except BaseException as exc:
         pool_limits.give_back(run_id, taken)
+        if isinstance(exc, GatewayError):
+            raise _named_pool(exc, pool) from None
         raise
     generation.pool_taken = taken
     return generation
@@ -317,6 +321,20 @@ def _no_server() -> GatewayError:
         503,
         "No inference server is up for this run yet; it is starting or has stopped. Retry shortly.",
         code="no_inference_server",
+        retry_after=5,
+    )
+
+
+def _named_pool(exc: GatewayError, pool: str) -> GatewayError:
+    """A run on a shared pool with no server up: a 503 that says it is the pool."""
+    if not pool or exc.code != "no_inference_server":
+        return exc
+    return GatewayError(
+        503,
+        f"Inference pool '{pool}' has no server up for this run: the pool is stopped or "
+        "starting, or the run is starting. Retry shortly; Steep's operators can check it "
+        "with ./steep manage pool_list.",
+        code="pool_unavailable",
         retry_after=5,
     )
 
