@@ -246,6 +246,7 @@ CELERY_TASK_ALWAYS_EAGER = envbool("CELERY_TASK_ALWAYS_EAGER", False)
 CELERY_BEAT_SCHEDULE = {
     "expire-idle-sessions": {"task": "sessions.expire_idle", "schedule": 60.0},
     "reconcile-runs": {"task": "runs.reconcile", "schedule": 15.0},
+    "reconcile-pools": {"task": "pools.reconcile", "schedule": 15.0},
 }
 if STEEP_DEMO_AGENT:
     # A bounded batch of episodes per tick; a tick that finds another still playing returns.

@@ -28,6 +28,8 @@ class Pool(models.Model):
         RUNNING = "running"  # at least one server is up
         STOPPING = "stopping"  # its job was asked to stop its servers
         FAILED = "failed"  # its job failed; ``error`` says why
+        # Steep was stopped cleanly (./steep up's Ctrl-C) under it: it starts again with Steep.
+        INTERRUPTED = "interrupted"
 
     class Backend(models.TextChoices):
         AUTO = "auto"
@@ -42,7 +44,7 @@ class Pool(models.Model):
         default=1, help_text="Servers the pool should run (one placement group each)."
     )
     status = models.CharField(
-        max_length=10, choices=Status.choices, default=Status.STOPPED, db_index=True
+        max_length=20, choices=Status.choices, default=Status.STOPPED, db_index=True
     )
     max_lora_rank = models.PositiveIntegerField(
         default=64,

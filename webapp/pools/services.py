@@ -20,12 +20,14 @@ JOB_SECRET_PREFIX = "steep-pool-"
 # The highest replica count one call may ask for: a typo (1000) should not queue 1000 servers.
 MAX_REPLICAS = 64
 
+# running → starting: its job died after serving, and it is launched again (the reconciler).
 TRANSITIONS: dict[str, set[str]] = {
     P.STOPPED: {P.STARTING},
-    P.STARTING: {P.RUNNING, P.STOPPING, P.FAILED},
-    P.RUNNING: {P.STOPPING, P.FAILED},
+    P.STARTING: {P.RUNNING, P.STOPPING, P.FAILED, P.INTERRUPTED},
+    P.RUNNING: {P.STARTING, P.STOPPING, P.FAILED, P.INTERRUPTED},
     P.STOPPING: {P.STOPPED, P.FAILED},
     P.FAILED: {P.STARTING},
+    P.INTERRUPTED: {P.STARTING, P.STOPPED},
 }
 
 
@@ -54,13 +56,28 @@ def pool_transition(*, pool: Pool, to: str, error: str = "") -> Pool:
             raise IllegalPoolTransition(locked, to)
         locked.status = to
         fields = ["status", "updated_at"]
-        if to == P.FAILED or to == P.STARTING:
+        if to in (P.FAILED, P.STARTING):
             locked.error = error
             fields.append("error")
+        if to == P.STARTING:
+            locked.job_id = ""  # a new job is submitted; the old one's servers are gone
+            fields.append("job_id")
         locked.save(update_fields=fields)
-        if to in (P.STOPPED, P.FAILED):
-            PoolServer.objects.filter(pool=locked).delete()
+        if to != P.RUNNING:
+            _forget_servers(locked)
     return locked
+
+
+def _forget_servers(pool: Pool) -> None:
+    """The pool's servers are gone (or going): no attached run routes to them any more."""
+    from webapp.gateway.models import InferenceServer
+    from webapp.runs.models import Run
+
+    urls = list(PoolServer.objects.filter(pool=pool).values_list("url", flat=True))
+    if urls:
+        attached = Run.objects.filter(config__inference_pool=pool.name)
+        InferenceServer.objects.filter(run__in=attached, url__in=urls).delete()
+        PoolServer.objects.filter(pool=pool).delete()
 
 
 def _check_replicas(replicas) -> list[str]:
@@ -115,9 +132,10 @@ def pool_create(
     return pool
 
 
-def pool_start(*, pool: Pool) -> Pool:
-    """Queue the pool's job (stopped or failed pools); its servers come up in the background."""
-    pool = pool_transition(pool=pool, to=P.STARTING)
+def pool_start(*, pool: Pool, error: str = "") -> Pool:
+    """Queue the pool's job (stopped, failed, interrupted, or a running one whose job died:
+    ``error`` says so); its servers come up in the background."""
+    pool = pool_transition(pool=pool, to=P.STARTING, error=error)
 
     def queue() -> None:
         from webapp.pools.tasks import pool_launch
