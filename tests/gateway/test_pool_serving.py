@@ -68,7 +68,7 @@ def pool_job(local_ray, gateway_url: str, tiny_model_dir: Path) -> Iterator[Pool
         start=False,
     )
     pool = pool_transition(pool=pool, to="starting")
-    secret = pool_job_secret_issue(pool=pool, job_id="in-test")
+    secret = pool_job_secret_issue(pool=pool)
     outcome: list = []
     job = threading.Thread(
         target=lambda: outcome.append(asyncio.run(run_pool(str(pool.id), gateway_url, secret)))

@@ -16,7 +16,7 @@ def pool(make_pool):
 
 @pytest.fixture
 def job(client, pool):
-    secret = pool_job_secret_issue(pool=pool, job_id="steep-pool-shared-1")
+    secret = pool_job_secret_issue(pool=pool)
 
     def call(method: str, name: str, body=None, secret: str | None = secret):
         headers = {"HTTP_AUTHORIZATION": f"Bearer {secret}"} if secret else {}
@@ -43,7 +43,7 @@ def test_only_the_current_pool_secret_is_accepted(job, pool, api_key, project, m
     run = make_run(project)
     assert job("GET", "config", secret=job_secret_issue(run=run)).status_code == 401
     old = job.secret
-    pool_job_secret_issue(pool=pool, job_id="steep-pool-shared-2")
+    pool_job_secret_issue(pool=pool)
     assert job("GET", "config", secret=old).status_code == 401
     assert job("POST", "config").status_code == 405
 

@@ -30,7 +30,7 @@ def pool_launch(*, pool_id: str) -> str:
         return "skipped"
     job_id = f"steep-pool-{pool.name}-{int(time.time())}"
     try:
-        secret = services.pool_job_secret_issue(pool=pool, job_id=job_id)
+        secret = services.pool_job_secret_issue(pool=pool)
         cluster = steep_cluster()
         env = {
             "STEEP_JOB_SECRET": secret,
@@ -48,6 +48,7 @@ def pool_launch(*, pool_id: str) -> str:
             entrypoint=entrypoint + ["--web-url", settings.INTERNAL_API_URL],
             env=env,
         )
+        services.pool_job_submitted(pool=pool, job_id=job_id)
     except Exception as exc:
         logger.exception("launch of pool %s failed", pool.name)
         services.pool_transition(

@@ -170,12 +170,18 @@ def pool_scale(*, pool: Pool, replicas: int) -> Pool:
     return pool
 
 
-def pool_job_secret_issue(*, pool: Pool, job_id: str) -> str:
+def pool_job_secret_issue(*, pool: Pool) -> str:
     """A fresh secret for the pool's new job; the previous job's stops working."""
     secret = generate_key(JOB_SECRET_PREFIX)
-    Pool.objects.filter(pk=pool.pk).update(job_secret_hash=hash_key(secret), job_id=job_id)
+    Pool.objects.filter(pk=pool.pk).update(job_secret_hash=hash_key(secret))
     pool.refresh_from_db()
     return secret
+
+
+def pool_job_submitted(*, pool: Pool, job_id: str) -> None:
+    """The pool's job is on Ray: from now on the reconciler watches it (not before, or a job
+    still being submitted would look like one that died)."""
+    Pool.objects.filter(pk=pool.pk, status__in=[P.STARTING, P.RUNNING]).update(job_id=job_id)
 
 
 def pool_job_authenticate(*, pool_id, token: str | None) -> Pool | None:
