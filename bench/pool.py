@@ -69,17 +69,11 @@ def make_adapters(model: Path, out: Path, n: int) -> list[Path]:
 
 
 def rss_mib(pid: int) -> float:
-    """Resident memory of ``pid`` and its children, MiB."""
-    import psutil
-
-    proc = psutil.Process(pid)
-    total = proc.memory_info().rss
-    for child in proc.children(recursive=True):
-        try:
-            total += child.memory_info().rss
-        except psutil.Error:
-            pass
-    return total / 2**20
+    """Resident memory of the engine process ``pid`` (Linux ``/proc``), MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 def engine(model: Path, threads: int, n_adapters: int, logs: Path, name: str) -> TorchEngineServer:
