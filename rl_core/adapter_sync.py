@@ -29,7 +29,7 @@ import asyncio
 import logging
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,9 +50,14 @@ class AdapterSync:
         prefix: str,
         *,
         keep: int = 2,
+        refresh: Callable[[], Awaitable[list[str]]] | None = None,
+        on_change: Callable[[list[str], list[str]], Awaitable[None]] | None = None,
     ):
         if keep < 1:
             raise ValueError("AdapterSync keeps at least the newest adapter loaded (keep >= 1)")
+        # A shared pool's servers change while the run trains: ``refresh`` reads them before
+        # each push; ``on_change(added, removed)`` is told once the new version is on the added.
+        self.refresh, self.on_change = refresh, on_change
         self.urls = list(urls)
         self.adapters_dir = Path(adapters_dir)
         self.prefix = prefix
@@ -74,6 +79,7 @@ class AdapterSync:
         version = int(trainer.version)
         name = adapter_name(self.prefix, version)
         started = time.perf_counter()
+        added, removed = await self._refresh_servers()
         self.adapters_dir.mkdir(parents=True, exist_ok=True)
         path = await asyncio.to_thread(trainer.save_adapter, str(self.adapters_dir / f"v{version}"))
         saved = time.perf_counter()
@@ -102,6 +108,8 @@ class AdapterSync:
             url, error = failed[0]
             raise RuntimeError(f"load_lora_adapter {name} failed on {url}: {error!r}") from error
         loaded = time.perf_counter()
+        if self.on_change is not None and (added or removed):
+            await self.on_change(added, removed)
         self.current = name
         self.loaded.append((version, name))
         while len(self.loaded) > self.keep:
@@ -121,6 +129,21 @@ class AdapterSync:
         self._prune()
         return version
 
+    async def _refresh_servers(self) -> tuple[list[str], list[str]]:
+        """Take the servers ``refresh`` lists now; the added and removed URLs."""
+        if self.refresh is None:
+            return [], []
+        urls = list(await self.refresh())
+        added = [url for url in urls if url not in self.urls]
+        removed = [url for url in self.urls if url not in urls]
+        if added or removed:
+            old = dict(zip(self.urls, self._get_clients(), strict=True))
+            for url in removed:
+                await old.pop(url).aclose()
+            self._clients = [old.get(url) or InferenceClient(url) for url in urls]
+            self.urls = urls
+        return added, removed
+
     async def _unload(self, name: str, clients: list[InferenceClient]) -> None:
         results = await asyncio.gather(
             *(c.unload_lora_adapter(name) for c in clients), return_exceptions=True
@@ -133,6 +156,14 @@ class AdapterSync:
         """Wait until every retired adapter is unloaded (its requests finished)."""
         while self._retiring:
             await asyncio.gather(*list(self._retiring), return_exceptions=True)
+
+    async def unload_all(self) -> None:
+        """Unload every adapter this sync loaded (a shared pool outlives the run)."""
+        await self.drain()
+        clients = self._get_clients()
+        for _, name in self.loaded:
+            await self._unload(name, clients)
+        self.loaded, self.current = [], None
 
     def _prune(self) -> None:
         # Keep the directories of the adapters still loaded (a server may reload from them).

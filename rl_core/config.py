@@ -163,6 +163,11 @@ class RunConfig:
         max_exclusive=True,
         advanced=True,
     )
+    inference_pool: str = _f(
+        "",
+        "Name of a shared inference pool to serve the run's adapters (LoRA runs only); empty = the run starts dedicated servers (num_inference_servers).",
+        advanced=True,
+    )
     # Loss
     advantage: str = _f(
         "auto",
@@ -330,6 +335,13 @@ class RunConfig:
                 "lora_target_modules",
                 "lora_target_modules only applies with LoRA: set lora_rank above 0, or leave the list empty.",
             )
+        if self.inference_pool and not self.lora_rank:
+            bad(
+                "inference_pool",
+                "A full-weight run (lora_rank 0) cannot attach to a shared inference pool: its new weights would replace the pool's base model for every run on it. Set lora_rank above 0, or leave inference_pool empty for servers of its own.",
+            )
+        if self.inference_pool != self.inference_pool.strip():
+            bad("inference_pool", "inference_pool is a pool's name, without surrounding spaces.")
         if LORA_ALL_LINEAR in self.lora_target_modules and len(self.lora_target_modules) > 1:
             bad(
                 "lora_target_modules",

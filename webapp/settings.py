@@ -70,6 +70,7 @@ INSTALLED_APPS = [
     "webapp.accounts",
     "webapp.datasets",
     "webapp.runs",
+    "webapp.pools",
     "webapp.agents",
     "webapp.gateway",
     "webapp.rewards",
@@ -257,6 +258,7 @@ CELERY_BEAT_SCHEDULE = {
         "schedule": float(STEEP_JUDGE_INTERVAL_S),
         "options": {"expires": float(STEEP_JUDGE_INTERVAL_S)},
     },
+    "reconcile-pools": {"task": "pools.reconcile", "schedule": 15.0},
 }
 if STEEP_DEMO_AGENT:
     # A bounded batch of episodes per tick; a tick that finds another still playing returns.

@@ -6,9 +6,11 @@ from django.views.generic import RedirectView
 urlpatterns = [
     path("api/v1/", include(("webapp.api.urls", "api"))),
     path("internal/v1/", include("webapp.runs.internal_urls")),
+    path("internal/v1/", include("webapp.pools.internal_urls")),
     path("admin/", admin.site.urls),
     # Browsers ask for /favicon.ico whatever the page links; the icon is a static SVG.
     path("favicon.ico", RedirectView.as_view(url=static("favicon.svg"), permanent=True)),
     path("", include("webapp.gateway.urls")),
+    path("", include("webapp.pools.urls")),
     path("", include("webapp.dashboard.urls")),
 ]

@@ -1,7 +1,7 @@
 """What a run asks of its Ray cluster, checked before anything starts.
 
 A run needs ``train_workers`` trainer processes and ``num_inference_servers`` inference
-servers. On a cluster with GPUs each trainer worker takes one GPU, and so does each
+servers (none when it attaches to a shared pool, whose servers are the pool's). On a cluster with GPUs each trainer worker takes one GPU, and so does each
 SGLang server (the torch engine takes a CPU); on a CPU-only cluster each takes one CPU.
 ``check_capacity`` compares that with the cluster's totals (``ray.cluster_resources()``)
 and refuses a run that could never be placed, naming the numbers; a run that fits the
@@ -70,13 +70,18 @@ class Needs:
     server_resources: dict[str, float]
 
 
+def own_servers(config: RunConfig) -> int:
+    """Inference servers the run starts: none when it attaches to a shared pool."""
+    return 0 if config.inference_pool else config.num_inference_servers
+
+
 def run_needs(config: RunConfig, backend: str, resources: Mapping[str, float]) -> Needs:
     gpus = has_gpus(resources)
     trainer_bundle = {"CPU": 1.0, "GPU": 1.0} if gpus else {"CPU": 1.0}
     server = {"CPU": 1.0, "GPU": 1.0} if backend == "sglang" else {"CPU": 1.0}
     kind = "GPU" if gpus else "CPU"
     total = config.train_workers * trainer_bundle.get(kind, 0) + (
-        config.num_inference_servers * server.get(kind, 0)
+        own_servers(config) * server.get(kind, 0)
     )
     return Needs(kind, total, trainer_bundle, server)
 
@@ -86,7 +91,7 @@ def check_capacity(config: RunConfig, backend: str, resources: Mapping[str, floa
     needs = run_needs(config, backend, resources)
     have = float(resources.get(needs.kind, 0))
     if needs.total > have:
-        servers = config.num_inference_servers
+        servers = own_servers(config)
         what = "SGLang server" if backend == "sglang" else "torch-engine inference server"
         raise CapacityError(
             f"train_workers={config.train_workers} and {servers} {what}{'s' if servers != 1 else ''} "

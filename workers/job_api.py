@@ -84,6 +84,42 @@ class InternalAPI:
             {"gpus": float(resources.get("GPU", 0)), "cpus": float(resources.get("CPU", 0))},
         )
 
+    async def pool_servers(self, timeout_s: float, poll_s: float = 2.0) -> list[dict]:
+        """The servers (``url``, ``backend``) of the shared pool the run attaches to, once it
+        has one up; a ``RuntimeError`` saying why when the pool is down or stays empty."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            pool = await self.call("GET", "pool")
+            if pool["servers"]:
+                return pool["servers"]
+            if pool["status"] not in ("starting", "running"):
+                raise RuntimeError(
+                    f"Inference pool '{pool['name']}' is {pool['status']}: an operator must "
+                    f"start it (./steep manage pool_scale {pool['name']} N) before the run can."
+                )
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"Inference pool '{pool['name']}' had no server up within {timeout_s:g} s "
+                    "(STEEP_PLACEMENT_TIMEOUT_S)."
+                )
+            await asyncio.sleep(poll_s)
+
+    def pool_hooks(self, backend: str):
+        """``AdapterSync``'s ``refresh`` and ``on_change`` for a run on a shared pool: the
+        pool's servers now, and the run's own server list kept in step with them (a server
+        is the run's once its current adapter is loaded there)."""
+
+        async def refresh() -> list[str]:
+            return [server["url"] for server in (await self.call("GET", "pool"))["servers"]]
+
+        async def on_change(added: list[str], removed: list[str]) -> None:
+            for url in added:
+                await self.register_server(url, backend)
+            for url in removed:
+                await self.unregister_server(url)
+
+        return refresh, on_change
+
     async def register_server(self, url: str, backend: str) -> None:
         await self.call("POST", "servers", {"url": url, "backend": backend})
 

@@ -6,11 +6,13 @@ goes through the web app's internal API (``workers.job_api``).
 
 Phases: fetch config → release trajectories a previous attempt claimed → check
 that the cluster can hold the run (``workers.capacity``) → the trainer workers (Ray
-actors, ``workers.trainer_group``) → start the inference replicas (Ray actors) →
+actors, ``workers.trainer_group``) → start the inference replicas (Ray actors; a LoRA run
+attached to a shared pool, ``inference_pool``, takes the pool's servers instead) →
 trainer state (resuming from the run's last checkpoint, else starting from ``init_checkpoint``
 when set: its weights are pushed to the replicas first) → in dataset mode, the rollout
 driver → the training loop until max_steps or a stop request → final checkpoint
-and status → replicas and trainer workers down. The replicas are registered (the run
+and status → replicas and trainer workers down (a pool's servers stay; the run's
+adapters are unloaded from them). The replicas are registered (the run
 turns running) once the trainer's weights are on them.
 """
 
@@ -29,52 +31,12 @@ from typing import Any
 import ray
 
 from rl_core.config import RunConfig
-from rl_core.inference.launch import free_port, make_inference_server
 from workers.capacity import CapacityError, check_capacity, placement_timeout_s, resolve_backend
 from workers.job_api import InternalAPI, WebEpisodeSink, WebReporter, WebSource
+from workers.replicas import InferenceReplica, ray_options
 
 logger = logging.getLogger("steep.job")
 STOP_POLL_S = 2.0
-
-
-@ray.remote
-class InferenceReplica:
-    """One inference server (SGLang on a GPU node, the torch engine otherwise) owned by a Ray actor."""
-
-    def __init__(
-        self,
-        backend: str,
-        model_path: str,
-        env: dict[str, str],
-        pid_dir: str = "",
-        server_kwargs: dict | None = None,
-    ):
-        os.environ.update(env)
-        host = (
-            "127.0.0.1"
-            if backend == "torch" and env.get("STEEP_LOCAL_ONLY", "1") == "1"
-            else ray.util.get_node_ip_address()
-        )
-        self.server = make_inference_server(
-            backend,
-            model_path,
-            host=host,
-            port=free_port(),
-            pid_dir=pid_dir or None,
-            **(server_kwargs or {}),
-        )
-        self.server.start()
-        self.server.wait_healthy(timeout=float(env.get("STEEP_SERVER_START_TIMEOUT", "600")))
-
-    def url(self) -> str:
-        return self.server.url
-
-    def stop(self) -> None:
-        self.server.stop()
-
-
-def _ray_options(resources: dict[str, float]) -> dict:
-    return {"num_cpus": resources.get("CPU", 0), "num_gpus": resources.get("GPU", 0)}
 
 
 async def run_job(run_id: str, web_url: str, secret: str) -> str:
@@ -125,13 +87,19 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
             if config.lora_rank
             else {}
         )
-        replicas = [
-            InferenceReplica.options(**_ray_options(needs.server_resources)).remote(
-                backend, config.base_model, env, pid_dir, lora
-            )
-            for _ in range(config.num_inference_servers)
-        ]
-        urls = [await replica.url.remote() for replica in replicas]
+        if config.inference_pool:
+            # A shared pool's servers already run the base model: the run only adds its adapters.
+            pooled = await api.pool_servers(placement_timeout_s())
+            urls = [server["url"] for server in pooled]
+            backend = pooled[0]["backend"]
+        else:
+            replicas = [
+                InferenceReplica.options(**ray_options(needs.server_resources)).remote(
+                    backend, config.base_model, env, pid_dir, lora
+                )
+                for _ in range(config.num_inference_servers)
+            ]
+            urls = [await replica.url.remote() for replica in replicas]
 
         # Dataset mode: the rollout driver admits rollouts here. Online mode: the web app
         # admits sessions and is told of stale drops through the source; a controller here
@@ -151,8 +119,12 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
         if controller is not None:  # judge/human episodes that are never rewarded give slots back
             source.on_unrewarded = controller.on_unrewarded
         # LoRA: each version is loaded as a new adapter, no pause (rl_core/adapter_sync.py).
+        # On a shared pool the servers may change between steps: each push takes the pool's.
+        refresh, on_change = api.pool_hooks(backend) if config.inference_pool else (None, None)
         weight_sync = (
-            AdapterSync(urls, data_dir / "adapters", prefix=run_id)
+            AdapterSync(
+                urls, data_dir / "adapters", prefix=run_id, refresh=refresh, on_change=on_change
+            )
             if config.lora_rank
             else WeightSync(urls, data_dir / "weights", strategy=config.weight_sync)
         )
@@ -239,9 +211,13 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
                 if isinstance(weight_sync, WeightSync):
                     await weight_sync.aclose(trainer)
                 else:
+                    if config.inference_pool:  # the pool outlives the run: take its adapters off
+                        await weight_sync.unload_all()
                     await weight_sync.aclose()
             except Exception:
                 logger.exception("could not close the weight sync")
+        if isinstance(weight_sync, AdapterSync):  # a pool's servers may have changed
+            urls = weight_sync.urls
         for url in urls:
             try:
                 await api.unregister_server(url)

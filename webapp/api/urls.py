@@ -7,6 +7,7 @@ from webapp.datasets import apis as datasets
 from webapp.evals import apis as evals
 from webapp.exports import apis as exports
 from webapp.gateway import apis as sessions
+from webapp.pools import apis as pools
 from webapp.rewards import apis as rewards
 from webapp.runs import apis as runs
 
@@ -77,6 +78,11 @@ urlpatterns = [
         evals.EvalExamplesApi.as_view(),
         name="run-eval-examples",
     ),
+    path("pools/", pools.PoolListApi.as_view(), name="pools"),
+    path("pools/<str:name>/", pools.PoolDetailApi.as_view(), name="pool"),
+    path("pools/<str:name>/scale/", pools.PoolScaleApi.as_view(), name="pool-scale"),
+    path("pools/<str:name>/start/", pools.PoolStartApi.as_view(), name="pool-start"),
+    path("pools/<str:name>/stop/", pools.PoolStopApi.as_view(), name="pool-stop"),
     path("agents/", agents.AgentListApi.as_view(), name="agents"),
     path("agents/<str:agent_id>/", agents.AgentDetailApi.as_view(), name="agent"),
     path("sessions/", sessions.SessionListApi.as_view(), name="sessions"),

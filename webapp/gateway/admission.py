@@ -26,11 +26,13 @@ from django.db import connection
 
 from rl_core.staleness import StalenessBudget
 from webapp.gateway import sql
+from webapp.pools.models import Pool
 from webapp.runs.models import Run
 
 ACCEPTED = ("ready", "claimed", "trained")  # Session.Trajectory values that hold a slot
 
 RUN_TABLE = Run._meta.db_table
+POOL_TABLE = Pool._meta.db_table
 
 
 def run_pk(cursor, run_id):
@@ -44,17 +46,36 @@ def budget(config: dict) -> tuple[int, int, int]:
 
 
 def admit(cursor, *, run_id, config: dict) -> bool:
-    """Open one rollout slot on a running run if its staleness budget allows; True when admitted."""
+    """Open one rollout slot on a running run if its staleness budget allows (and, for a run
+    on a shared pool, the pool's ``max_sessions_per_run``); True when admitted."""
     max_staleness, batch_size, max_concurrent = budget(config)
+    params = [run_pk(cursor, run_id), max_staleness, batch_size, max_concurrent, max_concurrent]
+    pool_clause = ""
+    if pool := config.get("inference_pool"):
+        # 0 (no limit) becomes NULL, and then a bound the count is always under.
+        pool_clause = (
+            f" AND sessions_open < COALESCE((SELECT NULLIF(max_sessions_per_run, 0)"
+            f" FROM {POOL_TABLE} WHERE name = %s), sessions_open + 1)"
+        )
+        params.append(pool)
     admitted = sql.changed_rows(
         cursor,
         f"UPDATE {RUN_TABLE} SET sessions_open = sessions_open + 1"
         " WHERE id = %s AND status = 'running'"
         " AND sessions_open + sessions_accepted < (%s + weight_version + 1) * %s"
-        " AND (%s = 0 OR sessions_open < %s)",
-        [run_pk(cursor, run_id), max_staleness, batch_size, max_concurrent, max_concurrent],
+        " AND (%s = 0 OR sessions_open < %s)" + pool_clause,
+        params,
     )
     return admitted == 1
+
+
+def pool_session_limit(cursor, config: dict) -> int:
+    """The ``max_sessions_per_run`` of the pool the run is on (0: none, or no pool)."""
+    if not (pool := config.get("inference_pool")):
+        return 0
+    cursor.execute(f"SELECT max_sessions_per_run FROM {POOL_TABLE} WHERE name = %s", [pool])
+    row = cursor.fetchone()
+    return int(row[0]) if row else 0
 
 
 def refresh(cursor, run_id) -> None:

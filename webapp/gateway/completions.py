@@ -215,6 +215,7 @@ async def _generate_and_record(
             lora_rank=int(run.config.get("lora_rank") or 0),
             init_checkpoint=run.config.get("init_checkpoint"),
         ),
+        "pool": run.config.get("inference_pool") or "",
     }
     # Which of the last turn's choices the conversation continued with; a branch continues
     # its parent's, which trajectory building reads off the messages.

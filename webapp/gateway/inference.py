@@ -19,6 +19,7 @@ from webapp.gateway import selectors
 from webapp.gateway.caches import CACHES, SERVERS_TTL_S
 from webapp.gateway.errors import GatewayError
 from webapp.gateway.services import inference_server_mark_down, inference_server_mark_up
+from webapp.pools import limits as pool_limits
 
 
 def order_candidates(servers: list[tuple[str, bool]], sticky: str) -> list[tuple[str, bool]]:
@@ -84,8 +85,25 @@ async def generate(
     seed: int | None,
     top_logprobs: int,
     lora_path: str | None = None,
+    pool: str = "",
 ) -> Generation:
-    """Sample ``n`` answers on one server (the session's, else the least loaded); fail over on a dead one."""
+    """Sample ``n`` answers on one server (the session's, else the least loaded); fail over on a dead one.
+
+    ``pool``: the shared inference pool the run is on, whose per-run request limit applies."""
+    taken = await pool_limits.take(run_id, pool, n)
+    try:
+        return await _generate(
+            run_id, sticky, input_ids, sampling_params, n, seed, top_logprobs, lora_path
+        )
+    except GatewayError as exc:
+        raise _named_pool(exc, pool) from None
+    finally:
+        pool_limits.give_back(run_id, taken)
+
+
+async def _generate(
+    run_id, sticky, input_ids, sampling_params, n, seed, top_logprobs, lora_path
+) -> Generation:
     candidates = await _candidates(run_id, sticky)
     if not candidates:
         raise _no_server()
@@ -130,6 +148,7 @@ class StreamingGeneration:
         self.rids, self.firsts, self.streams, self.version = rids, firsts, streams, version
         self.done = [first.finish_reason is not None for first in firsts]
         self.closed = False
+        self.pool_taken = 0  # requests counted against the run's pool limit (pool_limits)
         self._pumps: list[asyncio.Future] = []  # n > 1: one task reading each stream
 
     async def chunks(self):
@@ -196,6 +215,7 @@ class StreamingGeneration:
             return
         self.closed = True
         CACHES.in_flight[self.server_url] -= len(self.streams)
+        pool_limits.give_back(self.run_id, self.pool_taken)
         await self._stop_pumps()
         for stream in self.streams:
             await stream.aclose()
@@ -211,9 +231,27 @@ async def generate_stream(
     seed: int | None,
     top_logprobs: int,
     lora_path: str | None = None,
+    pool: str = "",
 ) -> StreamingGeneration:
     """Begin ``n`` streamed samples on one server (as ``generate`` picks it), failing over
-    while none has produced a token yet."""
+    while none has produced a token yet. The pool's request limit is held until it closes."""
+    taken = await pool_limits.take(run_id, pool, n)
+    try:
+        generation = await _generate_stream(
+            run_id, sticky, input_ids, sampling_params, n, seed, top_logprobs, lora_path
+        )
+    except BaseException as exc:
+        pool_limits.give_back(run_id, taken)
+        if isinstance(exc, GatewayError):
+            raise _named_pool(exc, pool) from None
+        raise
+    generation.pool_taken = taken
+    return generation
+
+
+async def _generate_stream(
+    run_id, sticky, input_ids, sampling_params, n, seed, top_logprobs, lora_path
+) -> StreamingGeneration:
     candidates = await _candidates(run_id, sticky)
     if not candidates:
         raise _no_server()
@@ -283,6 +321,20 @@ def _no_server() -> GatewayError:
         503,
         "No inference server is up for this run yet; it is starting or has stopped. Retry shortly.",
         code="no_inference_server",
+        retry_after=5,
+    )
+
+
+def _named_pool(exc: GatewayError, pool: str) -> GatewayError:
+    """A run on a shared pool with no server up: a 503 that says it is the pool."""
+    if not pool or exc.code != "no_inference_server":
+        return exc
+    return GatewayError(
+        503,
+        f"Inference pool '{pool}' has no server up for this run: the pool is stopped or "
+        "starting, or the run is starting. Retry shortly; Steep's operators can check it "
+        "with ./steep manage pool_list.",
+        code="pool_unavailable",
         retry_after=5,
     )
 

@@ -266,6 +266,16 @@ def budget_full(cursor, run: RunInfo) -> GatewayError:
     status, version, running, accepted = cursor.fetchone()
     if status != Run.Status.RUNNING:
         return not_running(run, status)
+    pool_limit = admission.pool_session_limit(cursor, run.config)
+    if pool_limit and running >= pool_limit:
+        return GatewayError(
+            429,
+            f"This run has {running} open sessions in inference pool "
+            f"'{run.config['inference_pool']}', whose max_sessions_per_run is {pool_limit}; "
+            "retry when one has ended.",
+            code="pool_sessions_per_run",
+            retry_after=settings.GATEWAY_RETRY_AFTER_S,
+        )
     max_staleness, _, _ = admission.budget(run.config)
     return GatewayError(
         429,

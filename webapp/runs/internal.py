@@ -311,6 +311,25 @@ def servers(request, run: Run):
     return JsonResponse({"ok": True})
 
 
+@internal("GET")
+def pool(request, run: Run):
+    """The shared pool the run attaches to: its status and servers (404 for a run with none)."""
+    from webapp.pools.models import PoolServer
+    from webapp.pools.selectors import pool_get
+
+    name = run.config.get("inference_pool") or ""
+    found = pool_get(name=name) if name else None
+    if found is None:
+        return _error(404, "this run is not attached to an inference pool")
+    return JsonResponse(
+        {
+            "name": found.name,
+            "status": found.status,
+            "servers": list(PoolServer.objects.filter(pool=found).values("url", "backend")),
+        }
+    )
+
+
 @internal("POST")
 def cluster(request, run: Run):
     data = _body(request)

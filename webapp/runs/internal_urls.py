@@ -9,6 +9,7 @@ urlpatterns = [
         "dataset",
         "status",
         "servers",
+        "pool",
         "cluster",
         "metrics",
         "version",

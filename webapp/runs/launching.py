@@ -39,7 +39,8 @@ JOB_ENDED = ("STOPPED", "SUCCEEDED", "FAILED", "MISSING")
 LAUNCH_TIMEOUT = timedelta(minutes=10)
 
 
-def _cluster() -> RayCluster:
+def steep_cluster() -> RayCluster:
+    """The cluster Steep submits jobs to: RAY_ADDRESS, or the local head (started if needed)."""
     return ensure_cluster(
         data_dir=settings.DATA_DIR,
         address=settings.RAY_ADDRESS,
@@ -58,7 +59,7 @@ def _submit(run: Run) -> str:
     job_release(run=run)
     secret = job_secret_issue(run=run)
     job_id = f"steep-run-{run.id.hex[:12]}-a{run.job_attempt}-{int(time.time())}"
-    cluster = _cluster()
+    cluster = steep_cluster()
     env = {
         "STEEP_JOB_SECRET": secret,
         "PYTHONUNBUFFERED": "1",
@@ -134,7 +135,7 @@ def run_shutdown(*, run_id: str, grace_s: float = 120.0) -> str:
         if run.status != S.STOPPING:
             return run.status
         try:
-            if job_status(_cluster(), run.job_id) in JOB_ENDED:
+            if job_status(steep_cluster(), run.job_id) in JOB_ENDED:
                 break
         except RayUnavailable:  # Ray restarting, or going down with Steep: ask again
             pass
@@ -143,7 +144,7 @@ def run_shutdown(*, run_id: str, grace_s: float = 120.0) -> str:
     if run.status != S.STOPPING:
         return run.status
     if run.job_id:
-        stop_job(_cluster(), run.job_id)
+        stop_job(steep_cluster(), run.job_id)
     try:
         run_transition(run=run, to=S.STOPPED, message="Stopped by the worker.")
     except IllegalTransition:
@@ -168,7 +169,7 @@ def runs_reconcile() -> dict:
     if not active.exists():
         return summary
     try:
-        cluster = _cluster()
+        cluster = steep_cluster()
     except RayUnavailable as exc:
         logger.warning("reconcile: Ray unavailable: %s", exc)
         return summary
@@ -252,7 +253,7 @@ def runs_interrupt(*, stop_jobs: bool = False) -> list[str]:
             interrupted.append(str(run.id))
     if stop_jobs and jobs:
         try:
-            cluster = _cluster()
+            cluster = steep_cluster()
         except RayUnavailable:
             return interrupted
         for job_id in jobs:

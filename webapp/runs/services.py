@@ -11,6 +11,7 @@ from django.utils import timezone
 from rl_core.config import ConfigError, RunConfig
 from webapp.accounts.models import Project
 from webapp.datasets.models import Dataset
+from webapp.pools.selectors import pool_attach_errors
 from webapp.rewards.secrets import seal_config
 from webapp.runs.events import publish_run_event, status_event
 from webapp.runs.models import Checkpoint, ClusterReport, Run, RunEvent
@@ -68,7 +69,7 @@ def run_create(
         )
     if dataset is not None and dataset.project_id != project.id:
         raise RunInvalid({"dataset": ["Dataset not found."]})
-    if errors := _cluster_errors(config):
+    if errors := _cluster_errors(config) | pool_attach_errors(config=config):
         raise RunInvalid(errors)
     run = Run.objects.create(
         project=project,

@@ -3,6 +3,7 @@ from pathlib import Path
 from django.conf import settings
 from django.core.management.base import BaseCommand
 
+from webapp.pools.launching import pools_interrupt
 from webapp.runs.launching import runs_interrupt
 from workers.ray_cluster import stop_local_cluster
 
@@ -28,6 +29,11 @@ class Command(BaseCommand):
         if interrupted:
             self.stdout.write(
                 f"{len(interrupted)} run(s) interrupted; they resume when Steep starts again."
+            )
+        pools = pools_interrupt(stop_jobs=external)
+        if pools:
+            self.stdout.write(
+                f"{len(pools)} inference pool(s) interrupted; they start again with Steep."
             )
         if stop_local_ray and not external:
             stop_local_cluster(data_dir=Path(settings.DATA_DIR))

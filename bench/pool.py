@@ -1,0 +1,244 @@
+"""Shared inference pool vs dedicated engines: N LoRA runs on one engine, or one engine each.
+
+    nice -n 19 .venv/bin/python bench/pool.py [--model tiny|PATH] [--runs 1,2,4] [--clients 4]
+        [--duration 20] [--warmup 3] [--cores 0,1] [--threads 1] [--max-new-tokens 16] [--flood 16]
+        [--out .steep/bench/pool.json]
+
+A "run" here is what a LoRA run puts on its inference servers: one adapter (rank 8, random
+B, saved in peft's format: what a training step publishes) and ``--clients`` agents, each
+asking for one ``--max-new-tokens`` sampled trajectory after another under that adapter
+(SGLang's ``/generate`` with ``lora_path``). For each N in ``--runs``:
+
+``shared``     one torch engine with every run's adapter loaded (``--max-loras-per-batch``
+               N): the pool; its requests of all runs share one running batch.
+``dedicated``  N torch engines, one per run, each serving only its run's adapter: what each
+               run starting its own servers gives today.
+
+Both get the same cores: the bench pins itself (and so every engine it starts) to
+``--cores``; every engine runs ``--threads`` torch threads (default 1: on a shared, busy
+machine two threads per engine spin against each other and an engine crawls), so the N
+dedicated engines have N times the shared engine's threads. Reported per cell: aggregate trajectories/s over
+``--duration`` s after ``--warmup`` s, fairness = min/max of the runs' trajectories, the
+engines' summed resident memory (RSS, MiB), and the p50 latency of a trajectory.
+
+``--flood F`` adds the fair-share check of issue 17: two runs on one shared engine, run A
+with one client and run B with F; run A's p50 latency next to its p50 alone on the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from rl_core.inference.client import InferenceClient  # noqa: E402
+from rl_core.inference.launch import TorchEngineServer  # noqa: E402
+
+PROMPT = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]  # "Hello, world"
+
+
+def make_adapters(model: Path, out: Path, n: int) -> list[Path]:
+    """``n`` peft adapters of rank 8 with random B (each run's policy differs)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    paths = []
+    for index in range(n):
+        path = out / f"run{index}"
+        if not (path / "adapter_config.json").exists():
+            torch.manual_seed(index)
+            base = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
+            peft = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
+            with torch.no_grad():
+                for name, param in peft.named_parameters():
+                    if "lora_B" in name:
+                        param.normal_(0.0, 0.05)
+            peft.save_pretrained(str(path), save_embedding_layers=False)
+        paths.append(path)
+    return paths
+
+
+def rss_mib(pid: int) -> float:
+    """Resident memory of the engine process ``pid`` (Linux ``/proc``), MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def engine(model: Path, threads: int, n_adapters: int, logs: Path, name: str) -> TorchEngineServer:
+    return TorchEngineServer(
+        model,
+        host="127.0.0.1",
+        num_threads=threads,
+        lora_rank=8,
+        max_loras_per_batch=max(1, n_adapters),
+        max_running_requests=64,
+        log_path=logs / f"{name}.log",
+    )
+
+
+async def drive(
+    targets: list[tuple[str, str, int]], duration: float, warmup: float, max_new: int
+) -> dict[str, list[float]]:
+    """``targets``: (run name, server url, clients). Each client loops one trajectory after
+    another under the run's adapter; per run, the latencies of those that finished in the window."""
+    clients = {url: InferenceClient(url) for _, url, _ in targets}
+    latencies: dict[str, list[float]] = {run: [] for run, _, _ in targets}
+    start = time.perf_counter()
+    window = (start + warmup, start + warmup + duration)
+
+    async def agent(run: str, url: str, seed: int) -> None:
+        i = 0
+        while time.perf_counter() < window[1]:
+            began = time.perf_counter()
+            params = {"max_new_tokens": max_new, "ignore_eos": True, "sampling_seed": seed + i}
+            await clients[url].generate(PROMPT, params, lora_path=run)
+            ended = time.perf_counter()
+            if window[0] <= ended <= window[1]:
+                latencies[run].append(ended - began)
+            i += 1
+
+    await asyncio.gather(
+        *(
+            agent(run, url, 1000 * k + c)
+            for k, (run, url, count) in enumerate(targets)
+            for c in range(count)
+        )
+    )
+    for client in clients.values():
+        await client.aclose()
+    return latencies
+
+
+async def load(url: str, adapters: dict[str, Path]) -> None:
+    async with InferenceClient(url) as client:
+        for name, path in adapters.items():
+            await client.load_lora_adapter(name, str(path))
+
+
+def cell(kind: str, n: int, args, model: Path, adapters: list[Path], logs: Path) -> dict:
+    runs = {f"run{i}": adapters[i] for i in range(n)}
+    if kind == "shared":
+        servers = [engine(model, args.threads, n, logs, f"shared-{n}")]
+        placement = {run: 0 for run in runs}
+    else:
+        servers = [engine(model, args.threads, 1, logs, f"ded-{n}-{i}") for i in range(n)]
+        placement = {run: i for i, run in enumerate(runs)}
+    for server in servers:
+        server.start()
+    try:
+        for server in servers:
+            server.wait_healthy(timeout=300)
+        for run, index in placement.items():
+            asyncio.run(load(servers[index].url, {run: runs[run]}))
+        targets = [(run, servers[index].url, args.clients) for run, index in placement.items()]
+        latencies = asyncio.run(drive(targets, args.duration, args.warmup, args.max_new_tokens))
+        memory = sum(rss_mib(server.process.pid) for server in servers)
+    finally:
+        for server in servers:
+            server.stop()
+    done = {run: len(values) for run, values in latencies.items()}
+    every = [x for values in latencies.values() for x in values]
+    return {
+        "kind": kind,
+        "runs": n,
+        "trajectories_per_s": sum(done.values()) / args.duration,
+        "fairness": min(done.values()) / max(done.values()) if max(done.values()) else 0.0,
+        "per_run": done,
+        "rss_mib": memory,
+        "p50_s": statistics.median(every) if every else float("nan"),
+    }
+
+
+def flood(args, model: Path, adapters: list[Path], logs: Path) -> dict:
+    """Run A (1 client) alone, then beside run B (``--flood`` clients), on one shared engine."""
+    server = engine(model, args.threads, 2, logs, "flood")
+    server.start()
+    try:
+        server.wait_healthy(timeout=300)
+        asyncio.run(load(server.url, {"run0": adapters[0], "run1": adapters[1]}))
+        alone = asyncio.run(
+            drive([("run0", server.url, 1)], args.duration, args.warmup, args.max_new_tokens)
+        )
+        both = asyncio.run(
+            drive(
+                [("run0", server.url, 1), ("run1", server.url, args.flood)],
+                args.duration,
+                args.warmup,
+                args.max_new_tokens,
+            )
+        )
+    finally:
+        server.stop()
+    solo, beside = statistics.median(alone["run0"]), statistics.median(both["run0"])
+    return {
+        "flood_clients": args.flood,
+        "run_a_p50_alone_s": solo,
+        "run_a_p50_flooded_s": beside,
+        "ratio": beside / solo,
+        "run_b_trajectories": len(both["run1"]),
+        "run_a_trajectories": len(both["run0"]),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="tiny", help="tiny (rl_core.tiny) or a model dir")
+    parser.add_argument("--runs", default="1,2,4")
+    parser.add_argument("--clients", type=int, default=4, help="agents per run")
+    parser.add_argument("--duration", type=float, default=20.0)
+    parser.add_argument("--warmup", type=float, default=3.0)
+    parser.add_argument("--cores", default="0,1", help="CPU cores every engine shares")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per engine")
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--flood", type=int, default=16, help="0 skips the fair-share check")
+    parser.add_argument("--out", default=str(ROOT / ".steep" / "bench" / "pool.json"))
+    args = parser.parse_args(argv)
+    args.cores = [int(c) for c in args.cores.split(",")]
+    os.sched_setaffinity(0, args.cores)  # every engine started from here inherits it
+    work = Path(tempfile.mkdtemp(prefix="steep-bench-pool-"))
+    if args.model == "tiny":
+        from rl_core.tiny import build_tiny_model
+
+        model = build_tiny_model(work / "tiny")
+    else:
+        model = Path(args.model)
+    counts = [int(n) for n in args.runs.split(",")]
+    adapters = make_adapters(model, work / "adapters", max(counts + [2]))
+    results = []
+    print(f"{'N':>2} {'engines':<10} {'traj/s':>8} {'fairness':>8} {'RSS MiB':>8} {'p50 s':>7}")
+    for n in counts:
+        for kind in ("shared", "dedicated"):
+            row = cell(kind, n, args, model, adapters, work)
+            results.append(row)
+            print(
+                f"{n:>2} {kind:<10} {row['trajectories_per_s']:>8.2f} {row['fairness']:>8.2f} "
+                f"{row['rss_mib']:>8.0f} {row['p50_s']:>7.3f}",
+                flush=True,
+            )
+    report: dict = {"cells": results, "args": {k: v for k, v in vars(args).items()}}
+    if args.flood:
+        report["flood"] = flood(args, model, adapters, work)
+        f = report["flood"]
+        print(
+            f"fair share: run A p50 {f['run_a_p50_alone_s']:.3f} s alone, "
+            f"{f['run_a_p50_flooded_s']:.3f} s beside {args.flood} clients of run B "
+            f"({f['ratio']:.2f}x)"
+        )
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+from django.core.management.base import BaseCommand, CommandError
+
+from webapp.pools.models import Pool
+from webapp.pools.services import PoolInvalid, pool_create
+
+
+class Command(BaseCommand):
+    help = "Create a shared inference pool for one base model and start its servers."
+
+    def add_arguments(self, parser):
+        parser.add_argument("name", help="Unique name (lowercase letters, digits, dashes).")
+        parser.add_argument("--model", required=True, help="Base model: local path or HF id.")
+        parser.add_argument("--backend", default="auto", choices=Pool.Backend.values)
+        parser.add_argument("--replicas", type=int, default=1, help="Servers (default 1).")
+        parser.add_argument("--max-lora-rank", type=int, default=64)
+        parser.add_argument("--lora-target-modules", nargs="*", default=[])
+        parser.add_argument("--max-loaded-adapters", type=int, default=8)
+        parser.add_argument("--max-sessions-per-run", type=int, default=0, help="0: no limit.")
+        parser.add_argument("--max-requests-per-run", type=int, default=0, help="0: no limit.")
+        parser.add_argument("--no-start", action="store_true", help="Create it stopped.")
+
+    def handle(self, *args, **options):
+        try:
+            pool = pool_create(
+                name=options["name"],
+                base_model=options["model"],
+                backend=options["backend"],
+                replicas=options["replicas"],
+                max_lora_rank=options["max_lora_rank"],
+                lora_target_modules=options["lora_target_modules"],
+                max_loaded_adapters=options["max_loaded_adapters"],
+                max_sessions_per_run=options["max_sessions_per_run"],
+                max_requests_per_run=options["max_requests_per_run"],
+                start=not options["no_start"],
+            )
+        except PoolInvalid as exc:
+            raise CommandError(str(exc)) from None
+        self.stdout.write(
+            f"Pool {pool.name}: {pool.base_model}, {pool.replicas} replica(s), {pool.status}."
+        )

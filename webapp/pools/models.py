@@ -1,0 +1,97 @@
+"""Inference pools: long-lived servers for one base model that many LoRA runs share.
+
+A pool belongs to the platform, not to a project: its operators (staff) create and scale
+it; runs of any project attach to it by name (``RunConfig.inference_pool``). Its servers
+are started by a Ray job of its own (``workers.pool_job``), independent of any run.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from django.core.validators import MinValueValidator, RegexValidator
+from django.db import models
+from django.utils import timezone
+
+POOL_NAME = RegexValidator(
+    r"^[a-z0-9][a-z0-9-]{0,62}$",
+    "A pool name is 1-63 lowercase letters, digits and dashes, starting with a letter or digit.",
+)
+
+
+class Pool(models.Model):
+    """A set of inference servers for one base model, serving attached runs' adapters."""
+
+    class Status(models.TextChoices):
+        STOPPED = "stopped"  # created, or stopped: no servers
+        STARTING = "starting"  # its job is submitted; servers are coming up
+        RUNNING = "running"  # at least one server is up
+        STOPPING = "stopping"  # its job was asked to stop its servers
+        FAILED = "failed"  # its job failed; ``error`` says why
+        # Steep was stopped cleanly (./steep up's Ctrl-C) under it: it starts again with Steep.
+        INTERRUPTED = "interrupted"
+
+    class Backend(models.TextChoices):
+        AUTO = "auto"
+        TORCH = "torch"
+        SGLANG = "sglang"
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    name = models.CharField(max_length=63, unique=True, validators=[POOL_NAME])
+    base_model = models.CharField(max_length=500)
+    backend = models.CharField(max_length=10, choices=Backend.choices, default=Backend.AUTO)
+    replicas = models.PositiveIntegerField(
+        default=1, help_text="Servers the pool should run (one placement group each)."
+    )
+    status = models.CharField(
+        max_length=20, choices=Status.choices, default=Status.STOPPED, db_index=True
+    )
+    max_lora_rank = models.PositiveIntegerField(
+        default=64,
+        validators=[MinValueValidator(1)],
+        help_text="The highest LoRA rank an attached run may train (SGLang's --max-lora-rank).",
+    )
+    lora_target_modules = models.JSONField(
+        default=list,
+        blank=True,
+        help_text="Modules adapters may target (SGLang's --lora-target-modules); empty: all linear layers.",
+    )
+    max_loaded_adapters = models.PositiveIntegerField(
+        default=8,
+        validators=[MinValueValidator(1)],
+        help_text="Adapters one server keeps loaded and batches together (--max-loras-per-batch).",
+    )
+    max_sessions_per_run = models.PositiveIntegerField(
+        default=0, help_text="Open sessions one attached run may hold in the pool (0: no limit)."
+    )
+    max_requests_per_run = models.PositiveIntegerField(
+        default=0,
+        help_text="Generation requests one attached run may have in flight (0: no limit).",
+    )
+    error = models.TextField(blank=True)
+    job_id = models.CharField(max_length=200, blank=True)
+    job_secret_hash = models.CharField(max_length=64, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class PoolServer(models.Model):
+    """One server of a pool, as its job registered it."""
+
+    pool = models.ForeignKey(Pool, on_delete=models.CASCADE, related_name="servers")
+    url = models.CharField(max_length=300)
+    backend = models.CharField(max_length=20)
+    registered_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["registered_at", "id"]
+        constraints = [models.UniqueConstraint(fields=["pool", "url"], name="unique_pool_server")]
+
+    def __str__(self) -> str:
+        return self.url
