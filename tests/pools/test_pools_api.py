@@ -93,6 +93,7 @@ def test_a_project_key_cannot_list_create_see_or_scale_pools(api, make_pool, api
     api_error(api.post("/api/v1/pools/", BODY, format="json"), 403)
     api_error(api.get("/api/v1/pools/shared-tiny/"), 404)
     api_error(api.post("/api/v1/pools/shared-tiny/scale/", {"replicas": 5}, format="json"), 404)
+    api_error(api.post("/api/v1/pools/shared-tiny/start/"), 404)
     api_error(api.post("/api/v1/pools/shared-tiny/stop/"), 404)
     assert Pool.objects.get().replicas == 1
 
