@@ -186,3 +186,47 @@ def test_ledger_with_an_expired_key_is_401(anon_api, project, run, api_error):
 
 def test_ledger_refuses_writes(api, run):
     assert api.post(f"/api/v1/runs/{run.id}/ledger/", {}, format="json").status_code == 405
+
+
+# --- The run page --------------------------------------------------------------------------
+
+
+def page(client, run) -> str:
+    from django.urls import reverse
+
+    return client.get(reverse("dashboard:run", args=[run.project_id, run.id])).content.decode()
+
+
+def test_the_run_page_has_the_ledger_line(member_client, run):
+    submit(run, 5)
+    train_step(run, version=1)
+    train_step(run, version=2, n=1, dropped=1)
+    html = page(member_client, run)
+    assert (
+        "Trajectories: <b>5</b> accepted · <b>3</b> trained · <b>1</b> dropped (1 stale)"
+        " · <b>1</b> pending"
+    ) in html
+    assert '<span class="ok">balanced</span>' in html
+    assert f"/api/v1/runs/{run.id}/ledger/?project={run.project_id}" in html
+
+
+def test_the_ledger_link_works_in_the_browser(member_client, run):
+    response = member_client.get(f"/api/v1/runs/{run.id}/ledger/?project={run.project_id}")
+    assert response.status_code == 200 and response.json()["balanced"] is True
+
+
+def test_the_run_page_says_it_restarted_from_version_0(member_client, run):
+    submit(run, 2)
+    train_step(run, version=1)
+    Run.objects.filter(pk=run.pk).update(step=1, weight_version=1)
+    assert "Restarted" not in page(member_client, run)
+    jobs.job_resume(run=run, step=0, version=0)
+    html = page(member_client, run)
+    assert 'version <b data-live="version">0</b>' in html
+    assert "Restarted from version 0: no checkpoint was saved. The run was at version 1." in html
+
+
+def test_a_first_start_is_not_a_restart(run):
+    answer = jobs.job_resume(run=run, step=0, version=0)
+    assert answer["message"] == "Training starts from version 0."
+    assert not RunEvent.objects.filter(run=run, kind=RunEvent.RESUME).exists()

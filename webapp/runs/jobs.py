@@ -198,7 +198,10 @@ def job_resume(*, run: Run, step: int, version: int) -> dict:
             message += f" The run was at version {previous}."
         if rewound:
             message += f" {rewound} trajectories trained after it will be trained again."
-        RunEvent.objects.create(run=run, kind="resume", message=message)
+        if step or previous or rewound or released:
+            RunEvent.objects.create(run=run, kind=RunEvent.RESUME, message=message)
+        else:  # a first start: nothing to go back from
+            message = "Training starts from version 0."
         counters = Run.objects.filter(pk=run.pk).values("sessions_accepted").get()
         rows_used = dataset_rows_used(run=run) if run.mode == Run.Mode.DATASET else {}
     run.refresh_from_db()
