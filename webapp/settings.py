@@ -199,6 +199,9 @@ INTERNAL_API_LONG_POLL_S = envint("INTERNAL_API_LONG_POLL_S", 30, minimum=0)
 # Relaunches of a run whose job crashed, since it was last started by hand (a run interrupted
 # by a clean stop of Steep resumes without using one).
 RUN_MAX_RESTARTS = envint("RUN_MAX_RESTARTS", 3, minimum=0)
+# How often the worker looks for runs whose job died (and restarts them): the longest a
+# crashed run waits before its restart is queued.
+RUN_RECONCILE_INTERVAL_S = envint("RUN_RECONCILE_INTERVAL_S", 15, minimum=1)
 # torch threads per inference server / trainer process in a run's job.
 STEEP_TORCH_THREADS = envint("STEEP_TORCH_THREADS", 1, minimum=1)
 # How long a run's trainer workers wait for free GPUs (CPUs) before the run fails.
@@ -210,6 +213,8 @@ STEEP_WEIGHT_SYNC_TIMEOUT_S = envint("STEEP_WEIGHT_SYNC_TIMEOUT_S", 120, minimum
 # most how many judge calls one worker makes at once (a thread pool, off any event loop).
 STEEP_JUDGE_INTERVAL_S = envint("STEEP_JUDGE_INTERVAL_S", 10, minimum=1)
 STEEP_JUDGE_CONCURRENCY = envint("STEEP_JUDGE_CONCURRENCY", 4, minimum=1)
+# Chaos tests only: a file of failpoints where a run's trainer kills itself (rl_core.failpoints).
+STEEP_FAILPOINTS = envstr("STEEP_FAILPOINTS", "")
 
 # The demo `./steep up` sets up: its model (offered first as a run's base_model) and the
 # demo agent that keeps its online run busy (webapp.runs.demo_agent).
@@ -251,7 +256,7 @@ CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_TASK_ALWAYS_EAGER = envbool("CELERY_TASK_ALWAYS_EAGER", False)
 CELERY_BEAT_SCHEDULE = {
     "expire-idle-sessions": {"task": "sessions.expire_idle", "schedule": 60.0},
-    "reconcile-runs": {"task": "runs.reconcile", "schedule": 15.0},
+    "reconcile-runs": {"task": "runs.reconcile", "schedule": float(RUN_RECONCILE_INTERVAL_S)},
     # Judge and human rewards (webapp/rewards): open, judge, time out; one tick at a time.
     "rewards": {
         "task": "rewards.tick",

@@ -4,12 +4,14 @@ Submitted by the Celery worker through Ray's Jobs API; the job secret arrives in
 ``STEEP_JOB_SECRET``. It never imports Django: everything it knows and reports
 goes through the web app's internal API (``workers.job_api``).
 
-Phases: fetch config → release trajectories a previous attempt claimed → check
+Phases: fetch config → check
 that the cluster can hold the run (``workers.capacity``) → the trainer workers (Ray
 actors, ``workers.trainer_group``) → start the inference replicas (Ray actors; a LoRA run
 attached to a shared pool, ``inference_pool``, takes the pool's servers instead) →
 trainer state (resuming from the run's last checkpoint, else starting from ``init_checkpoint``
-when set: its weights are pushed to the replicas first) → in dataset mode, the rollout
+when set: its weights are pushed to the replicas first) → the web app rewinds the run to the
+restored step (``resume``: claims released, what was trained after the checkpoint ready again,
+version and metrics back to the checkpoint's) → in dataset mode, the rollout
 driver → the training loop until max_steps or a stop request → final checkpoint
 and status → replicas and trainer workers down (a pool's servers stay; the run's
 adapters are unloaded from them). The replicas are registered (the run
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -31,12 +34,19 @@ from typing import Any
 import ray
 
 from rl_core.config import RunConfig
+from rl_core.failpoints import ENV as FAILPOINTS
 from workers.capacity import CapacityError, check_capacity, placement_timeout_s, resolve_backend
 from workers.job_api import InternalAPI, WebEpisodeSink, WebReporter, WebSource
 from workers.replicas import InferenceReplica, ray_options
 
 logger = logging.getLogger("steep.job")
 STOP_POLL_S = 2.0
+
+
+def _process_died(exc: BaseException) -> bool:
+    """An actor's process died under it; not an error in its ``__init__`` (which a restart
+    would only repeat: that one fails the run with its message)."""
+    return isinstance(exc, ray.exceptions.RayActorError) and not exc.actor_init_failed
 
 
 async def run_job(run_id: str, web_url: str, secret: str) -> str:
@@ -60,17 +70,14 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
         config = RunConfig.from_dict(info["config"])
         data_dir = Path(info["data_dir"])
         data_dir.mkdir(parents=True, exist_ok=True)
-        released = await api.release()
-        if released:
-            await WebReporter(api).event(
-                "resume", f"Released {released} trajectories claimed by the previous attempt."
-            )
 
         resources = ray.cluster_resources()
         await api.report_cluster(resources)
         backend = resolve_backend(config.inference_backend, resources)
         needs = check_capacity(config, backend, resources)  # refuse what can never be placed
         env = {"STEEP_TORCH_THREADS": os.environ.get("STEEP_TORCH_THREADS", "1")}
+        if os.environ.get(FAILPOINTS):  # chaos tests: the trainer kills itself where told
+            env[FAILPOINTS] = os.environ[FAILPOINTS]
         # The trainer starts from config.init_checkpoint's weights when set, else base_model's.
         trainer = await asyncio.to_thread(
             TrainerGroup,
@@ -138,6 +145,12 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
             checkpoint_dir=data_dir / "checkpoints",
         )
         await loop.prepare()  # resume from the last checkpoint and push its weights before serving
+        # Before anything is served: the run goes back to the restored step and version (0 without
+        # a checkpoint). What the previous attempt claimed, or trained after that checkpoint, is
+        # ready to train again; the web app's counters are the truth the controller resumes from.
+        resumed = await api.resume(step=loop.step, version=loop.version)
+        if controller is not None:
+            controller.restore(version=loop.version, accepted=resumed["accepted"])
         if config.init_checkpoint and loop.step == 0:
             # The servers started from base_model; before serving, they take the weights the
             # trainer started from (another run's checkpoint), in base_model's dtype.
@@ -162,6 +175,7 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
                 controller,
                 WebEpisodeSink(api),
                 adapter_prefix=run_id if config.lora_rank else None,
+                rows_used={int(k): v for k, v in resumed["rows_used"].items()},
             )
             driver_task = asyncio.create_task(driver.run())
 
@@ -195,6 +209,16 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
         )
         return final
     except Exception as exc:
+        if _process_died(exc):
+            # A trainer or server process died (SIGKILL, OOM, a lost node): a crash, not a
+            # failure of the run. The job ends without a status, so the reconciler restarts the
+            # run from its last checkpoint, as after a crash of this process (RUN_MAX_RESTARTS).
+            logger.exception("run %s: a process of its job died", run_id)
+            with contextlib.suppress(Exception):
+                await WebReporter(api).event(
+                    "crash", "A trainer or inference process of the job died; the run will restart."
+                )
+            raise
         logger.exception("run %s failed", run_id)
         error = f"{type(exc).__name__}: {exc}"
         if not isinstance(exc, CapacityError):  # that one says all there is to say

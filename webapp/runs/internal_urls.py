@@ -17,6 +17,7 @@ urlpatterns = [
         "claim",
         "trained",
         "release",
+        "resume",
         "episodes",
         "events",
         "watch",
