@@ -297,6 +297,11 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
+    # Runs and pools both have a "status" with choices of their own: name each enum.
+    "ENUM_NAME_OVERRIDES": {
+        "RunStatusEnum": "webapp.runs.apis.RUN_STATUSES",
+        "PoolStatusEnum": "webapp.pools.apis.POOL_STATUSES",
+    },
 }
 
 # Logs: one line per record on stderr, each with the request id (webapp.observability).

@@ -23,6 +23,10 @@ def _is_staff(request) -> bool:
     return bool(user and user.is_authenticated and getattr(user, "is_staff", False))
 
 
+# The OpenAPI schema names this enum by it (SPECTACULAR_SETTINGS["ENUM_NAME_OVERRIDES"]).
+POOL_STATUSES = Pool.Status.values
+
+
 class IsStaff(permissions.BasePermission):
     """Staff users only: 403 on the collection, 404 on a pool for anyone else."""
 
@@ -82,7 +86,7 @@ class PoolOutput(serializers.Serializer):
     base_model = serializers.CharField()
     backend = serializers.CharField()
     replicas = serializers.IntegerField(help_text="Servers wanted.")
-    status = serializers.ChoiceField(choices=Pool.Status.values)
+    status = serializers.ChoiceField(choices=POOL_STATUSES)
     max_lora_rank = serializers.IntegerField()
     lora_target_modules = serializers.ListField(child=serializers.CharField())
     max_loaded_adapters = serializers.IntegerField()

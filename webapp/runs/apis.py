@@ -52,6 +52,10 @@ def _refuse_unknown_fields(serializer: serializers.Serializer) -> None:
         raise serializers.ValidationError({key: [f"Unknown field '{key}'."] for key in unknown})
 
 
+# The OpenAPI schema names this enum by it (SPECTACULAR_SETTINGS["ENUM_NAME_OVERRIDES"]).
+RUN_STATUSES = Run.Status.values
+
+
 class RunCreateInput(serializers.Serializer):
     """``name``, optional ``dataset`` id, and any ``RunConfig`` setting as a top-level field."""
 
@@ -91,7 +95,7 @@ class RunOutput(serializers.Serializer):
     base_model = serializers.CharField()
     dataset = serializers.UUIDField(source="dataset_id", allow_null=True)
     status = serializers.ChoiceField(
-        choices=Run.Status.values,
+        choices=RUN_STATUSES,
         help_text="draft → queued → starting → running → stopping → stopped | completed | "
         "failed. interrupted: Steep was stopped cleanly while the run was active; it resumes "
         "from its last checkpoint when Steep starts again.",
