@@ -121,6 +121,13 @@ class AdapterSync:
         self._prune()
         return version
 
+    async def resync(self, trainer: Any, url: str) -> None:
+        """The server at ``url`` was restarted (the base model only): it loads the adapters
+        still in use again, from the directories kept for them."""
+        client = self._get_clients()[self.urls.index(url)]
+        for version, name in self.loaded:
+            await client.load_lora_adapter(name, str(self.adapters_dir / f"v{version}"))
+
     async def _unload(self, name: str, clients: list[InferenceClient]) -> None:
         results = await asyncio.gather(
             *(c.unload_lora_adapter(name) for c in clients), return_exceptions=True

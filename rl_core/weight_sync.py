@@ -185,6 +185,25 @@ class WeightSync:
             self.last_timing["timing/save_weights"] = stats["save"]
         return version
 
+    async def resync(self, trainer: Any, url: str) -> None:
+        """The server at ``url`` was restarted (a fresh process with the base weights): it takes
+        the trainer's current weights from disk now. Its old process was a member of the
+        broadcast group, so the group is rebuilt, with the new one, at the next ``push``."""
+        server = next((s for s in self._get_servers() if s.url == url), None)
+        if server is None:
+            raise ValueError(f"{url} is not one of this weight sync's servers")
+        server.kind = None  # the new process may be another build
+        if self._group:
+            try:
+                await asyncio.wait_for(
+                    self._destroy_group(trainer), self.timeout_s + _HTTP_MARGIN_S
+                )
+            except Exception:
+                logger.exception("could not destroy the weight group")
+            self._group = []
+        stats = {"bytes": 0.0, "transfer": 0.0, "stall": 0.0, "save": 0.0}
+        await self._push_disk(trainer, int(trainer.version), [server], stats)
+
     async def _paused(self, server: _Server, update: Any, mode: str | None) -> tuple[Any, float]:
         """Run ``update`` on ``server`` (inside a pause when ``mode``); its answer and the stall."""
         if mode is None:

@@ -35,6 +35,9 @@ from workers.job_api import InternalAPI, WebEpisodeSink, WebReporter, WebSource
 
 logger = logging.getLogger("steep.job")
 STOP_POLL_S = 2.0
+SERVER_WATCH_S = 2.0  # how often the job checks that its inference servers still run
+SERVER_START_TIMEOUT_S = float(os.environ.get("STEEP_SERVER_START_TIMEOUT", "600"))
+SERVER_MAX_RESTART_FAILURES = 3
 
 
 @ray.remote
@@ -69,8 +72,60 @@ class InferenceReplica:
     def url(self) -> str:
         return self.server.url
 
+    def exit_code(self) -> int | None:
+        """None while the server runs, else how it ended (a negative signal number if killed)."""
+        process = self.server.process
+        return None if process is None else process.poll()
+
+    def restart(self, timeout: float) -> None:
+        """Start the server again on the same URL (what every client holds), once it is healthy."""
+        self.server.stop()  # what is left of the old one: its group, its record, its log handle
+        self.server.start()
+        self.server.wait_healthy(timeout=timeout)
+
     def stop(self) -> None:
         self.server.stop()
+
+
+async def watch_servers(
+    replicas: list, urls: list[str], backend: str, loop: Any, api: InternalAPI, reporter: Any
+) -> None:
+    """Restart an inference server that exited, until the job ends.
+
+    Every ``SERVER_WATCH_S`` each replica is asked whether its server still runs. A dead one
+    leaves the gateway's rotation (unregistered: agents fail over to the other servers, or get
+    503 + Retry-After when it was the only one), is started again on its URL, takes the
+    current policy (``TrainingLoop.resync_server``, between two steps) and is registered
+    again. A server that cannot be restarted ``SERVER_MAX_RESTART_FAILURES`` times running
+    ends the training loop (with its final checkpoint) and fails the run with the reason.
+    """
+    failures = [0] * len(replicas)
+    while True:
+        await asyncio.sleep(SERVER_WATCH_S)
+        for i, (replica, url) in enumerate(zip(replicas, urls, strict=True)):
+            code = await replica.exit_code.remote()
+            if code is None:
+                continue
+            await api.unregister_server(url)
+            await reporter.event(
+                "inference", f"Inference server {url} exited ({code}); restarting it."
+            )
+            try:
+                await replica.restart.remote(SERVER_START_TIMEOUT_S)
+                version = await loop.resync_server(url)
+            except Exception as exc:
+                failures[i] += 1
+                logger.exception("restarting %s failed", url)
+                if failures[i] >= SERVER_MAX_RESTART_FAILURES:
+                    raise RuntimeError(
+                        f"Inference server {url} could not be restarted ({failures[i]} tries): {exc}"
+                    ) from exc
+                continue
+            failures[i] = 0
+            await api.register_server(url, backend)
+            await reporter.event(
+                "inference", f"Inference server {url} restarted, serving version {version}."
+            )
 
 
 def _ray_options(resources: dict[str, float]) -> dict:
@@ -203,11 +258,17 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
             source.stop()
 
         watcher = asyncio.create_task(watch_for_stop())
+        keeper = asyncio.create_task(watch_servers(replicas, urls, backend, loop, api, reporter))
+        # A server that cannot be brought back ends the loop; its error fails the run below.
+        keeper.add_done_callback(lambda task: task.cancelled() or loop.stop())
         asyncio.get_running_loop().add_signal_handler(
             signal.SIGTERM, lambda: (loop.stop(), source.stop())
         )
         summary = await loop.run(config.max_steps)
         watcher.cancel()
+        if keeper.done() and not keeper.cancelled() and keeper.exception() is not None:
+            raise keeper.exception()  # type: ignore[misc]
+        keeper.cancel()
         if driver_task is not None:
             driver.stop()
             driver_task.cancel()
