@@ -11,7 +11,7 @@ from django.utils import timezone
 
 from webapp.accounts.keys import generate_key, hash_key
 from webapp.gateway import lifecycle
-from webapp.gateway.models import Interaction
+from webapp.gateway.models import Interaction, Session
 from webapp.gateway.selectors import session_trajectories
 from webapp.gateway.services import (
     inference_server_register,
@@ -173,11 +173,18 @@ def job_submit_episodes(*, run: Run, episodes: list[dict]) -> list[str]:
 
     Each episode: ``input_ids``, ``output_ids``, ``logprobs``, ``versions``, ``reward``,
     ``finish_reason``, ``messages``, ``text``, optional ``group_id``, ``task_id``, ``metadata``.
+
+    Idempotent for episodes with a ``group_id``: a session's id is derived from the run, the
+    group and the episode's place in it, so the job's retry of a submission whose answer was
+    lost (the web process restarted after the commit) records nothing twice.
     """
     now = timezone.now()
     sessions, interactions = [], []
-    for episode in episodes:
-        session_id = uuid.uuid4()
+    ids = [_episode_session_id(run, episode, index) for index, episode in enumerate(episodes)]
+    recorded = set(Session.objects.filter(pk__in=ids).values_list("pk", flat=True))
+    for session_id, episode in zip(ids, episodes, strict=True):
+        if session_id in recorded:
+            continue
         sessions.append(
             {
                 "id": session_id,
@@ -239,7 +246,12 @@ def job_submit_episodes(*, run: Run, episodes: list[dict]) -> list[str]:
         with connection.cursor() as cursor:
             lifecycle.insert_finished(cursor, run_id=run.pk, rows=sessions)
         Interaction.objects.bulk_create(interactions)
-    return [str(row["id"]) for row in sessions]
+    return [str(session_id) for session_id in ids]
+
+
+def _episode_session_id(run: Run, episode: dict, index: int) -> uuid.UUID:
+    group = str(episode.get("group_id") or "")
+    return uuid.uuid5(run.pk, f"{group}/{index}") if group else uuid.uuid4()
 
 
 def job_event(*, run: Run, kind: str, message: str) -> None:
