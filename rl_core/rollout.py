@@ -22,7 +22,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -147,11 +147,32 @@ def member_seed(run_seed: int, group: int, member: int) -> int:
     return int.from_bytes(digest, "big") >> 1
 
 
+def prompt_order(n_rows: int, seed: int, used: Mapping[int, int] | None = None) -> Iterator[int]:
+    """Dataset row indices without end: each epoch a fresh shuffle seeded by ``seed`` (the same
+    sequence on every start), minus what a resumed run already used.
+
+    ``used[i]`` groups of row ``i`` were already generated (submitted) in the run's lineage:
+    its first ``used[i]`` occurrences in the sequence are skipped, so a resumed run continues
+    its epoch where it was, with no prompt repeated before the epoch ends and none left out
+    (a group lost in flight by the crash is generated again).
+    """
+    rng = random.Random(seed)
+    skip = dict(used or {})
+    while True:
+        order = list(range(n_rows))
+        rng.shuffle(order)
+        for index in reversed(order):
+            if skip.get(index, 0) > 0:
+                skip[index] -= 1
+            else:
+                yield index
+
+
 class RolloutDriver:
     """Generates, scores and submits groups of answers until ``stop()``.
 
-    Prompts are drawn from ``rows`` in a reshuffled order each epoch (seeded by
-    ``cfg.seed``). Each group goes to the next server in turn (its members share
+    Prompts are drawn from ``rows`` in a reshuffled order each epoch (``prompt_order``, seeded
+    by ``cfg.seed``; a resumed run passes ``rows_used`` and continues its epoch). Each group goes to the next server in turn (its members share
     a prompt, which SGLang's prefix cache reuses). Every group member is
     admitted by ``controller.try_admit()`` before it starts, so at most the
     staleness budget is in flight: as many rollouts as the controller allows run
@@ -178,6 +199,7 @@ class RolloutDriver:
         sampling_overrides: SamplingOverrides | None = None,
         poll_interval: float = 0.01,
         adapter_prefix: str | None = None,
+        rows_used: Mapping[int, int] | None = None,
     ):
         if not urls:
             raise ValueError("RolloutDriver needs at least one inference server URL")
@@ -199,7 +221,10 @@ class RolloutDriver:
         self.poll_interval = poll_interval
         # A LoRA run's adapters are named <adapter_prefix>-v<N> (rl_core.adapter_sync).
         self.adapter_prefix = adapter_prefix
-        self.rng = random.Random(cfg.seed)
+        self.rng = random.Random(cfg.seed)  # sampling_overrides' randomness
+        self._order = prompt_order(len(self.rows), cfg.seed, rows_used)
+        # Member seeds continue after the groups a resumed run already generated.
+        self._groups_before = sum((rows_used or {}).values())
         self.stats: dict[str, int] = {
             "groups_started": 0,
             "groups_submitted": 0,
@@ -208,7 +233,6 @@ class RolloutDriver:
             "reward_errors": 0,
             "render_errors": 0,
         }
-        self._order: list[int] = []
         self._prompts: dict[int, tuple[str, list[int]]] = {}
         self._stop = asyncio.Event()
         self._stop_requested = False
@@ -231,10 +255,7 @@ class RolloutDriver:
     # ----- the driver
 
     def _next_row(self) -> int:
-        if not self._order:
-            self._order = list(range(len(self.rows)))
-            self.rng.shuffle(self._order)
-        return self._order.pop()
+        return next(self._order)
 
     def _prompt(self, index: int) -> tuple[str, list[int]]:
         """The rendered prompt text and its token ids (cached per row)."""
@@ -284,7 +305,7 @@ class RolloutDriver:
         if self._stop_requested:
             self._stop.set()
         clients = [InferenceClient(url) for url in self.urls]
-        group_number, render_failures = 0, 0
+        group_number, render_failures = self._groups_before, 0
         try:
             while not self._stop.is_set():
                 index = self._next_row()

@@ -142,6 +142,12 @@ class StalenessController:
                 self.accepted += (version - self.version) * self.batch_size
                 self.version = version
 
+    def restore(self, *, version: int, accepted: int) -> None:
+        """Resume with the counts the web app keeps (a Ray job after a restart): ``accepted``
+        trajectories ready, claimed or trained in the surviving lineage, none running."""
+        with self._lock:
+            self.version, self.accepted, self.running = version, accepted, 0
+
     def on_version(self, version: int) -> None:
         """The trainer published ``version``; capacity grows by ``batch_size`` per version."""
         with self._lock:

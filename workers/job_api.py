@@ -100,6 +100,11 @@ class InternalAPI:
     async def release(self) -> int:
         return (await self.call("POST", "release", {}))["released"]
 
+    async def resume(self, *, step: int, version: int) -> dict:
+        """The job restored ``step``/``version`` (0/0: none): the web app rewinds the run to it
+        and answers ``{"released", "rewound", "accepted", "rows_used", "message"}``."""
+        return await self.call("POST", "resume", {"step": step, "version": version})
+
     async def watch_status(self, unchanged: str, wait_s: float = LONG_POLL_S) -> str:
         """The run's status, once it is not ``unchanged`` or after up to ``wait_s`` (long-poll)."""
         response = await self.call("GET", f"watch?while={unchanged}&wait_s={wait_s:g}")

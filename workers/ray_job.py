@@ -4,11 +4,13 @@ Submitted by the Celery worker through Ray's Jobs API; the job secret arrives in
 ``STEEP_JOB_SECRET``. It never imports Django: everything it knows and reports
 goes through the web app's internal API (``workers.job_api``).
 
-Phases: fetch config → release trajectories a previous attempt claimed → check
+Phases: fetch config → check
 that the cluster can hold the run (``workers.capacity``) → the trainer workers (Ray
 actors, ``workers.trainer_group``) → start the inference replicas (Ray actors) →
 trainer state (resuming from the run's last checkpoint, else starting from ``init_checkpoint``
-when set: its weights are pushed to the replicas first) → in dataset mode, the rollout
+when set: its weights are pushed to the replicas first) → the web app rewinds the run to the
+restored step (``resume``: claims released, what was trained after the checkpoint ready again,
+version and metrics back to the checkpoint's) → in dataset mode, the rollout
 driver → the training loop until max_steps or a stop request → final checkpoint
 and status → replicas and trainer workers down. The replicas are registered (the run
 turns running) once the trainer's weights are on them.
@@ -151,11 +153,6 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
         config = RunConfig.from_dict(info["config"])
         data_dir = Path(info["data_dir"])
         data_dir.mkdir(parents=True, exist_ok=True)
-        released = await api.release()
-        if released:
-            await WebReporter(api).event(
-                "resume", f"Released {released} trajectories claimed by the previous attempt."
-            )
 
         resources = ray.cluster_resources()
         await api.report_cluster(resources)
@@ -217,6 +214,12 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
             checkpoint_dir=data_dir / "checkpoints",
         )
         await loop.prepare()  # resume from the last checkpoint and push its weights before serving
+        # Before anything is served: the run goes back to the restored step and version (0 without
+        # a checkpoint). What the previous attempt claimed, or trained after that checkpoint, is
+        # ready to train again; the web app's counters are the truth the controller resumes from.
+        resumed = await api.resume(step=loop.step, version=loop.version)
+        if controller is not None:
+            controller.restore(version=loop.version, accepted=resumed["accepted"])
         if config.init_checkpoint and loop.step == 0:
             # The servers started from base_model; before serving, they take the weights the
             # trainer started from (another run's checkpoint), in base_model's dtype.
@@ -239,6 +242,7 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
                 controller,
                 WebEpisodeSink(api),
                 adapter_prefix=run_id if config.lora_rank else None,
+                rows_used={int(k): v for k, v in resumed["rows_used"].items()},
             )
             driver_task = asyncio.create_task(driver.run())
 

@@ -43,6 +43,7 @@ LEGAL = {
             (T.CLAIMED, T.READY),
             (T.CLAIMED, T.TRAINED),
             (T.CLAIMED, T.DROPPED),
+            (T.TRAINED, T.READY),
         ]
     ),
 }

@@ -32,6 +32,7 @@ urlpatterns = [
     path("runs/<str:run_id>/start/", runs.RunStartApi.as_view(), name="run-start"),
     path("runs/<str:run_id>/stop/", runs.RunStopApi.as_view(), name="run-stop"),
     path("runs/<str:run_id>/clone/", runs.RunCloneApi.as_view(), name="run-clone"),
+    path("runs/<str:run_id>/ledger/", runs.RunLedgerApi.as_view(), name="run-ledger"),
     path("runs/<str:run_id>/metrics/", runs.RunMetricsApi.as_view(), name="run-metrics"),
     path(
         "runs/<str:run_id>/checkpoints/", runs.RunCheckpointsApi.as_view(), name="run-checkpoints"

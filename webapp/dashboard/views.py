@@ -50,6 +50,7 @@ from webapp.gateway.selectors import (
     session_interactions,
     session_list,
 )
+from webapp.runs.ledger import run_ledger
 from webapp.runs.selectors import (
     checkpoint_for_step,
     checkpoint_get,
@@ -60,6 +61,7 @@ from webapp.runs.selectors import (
     metric_step_times,
     run_event_list,
     run_get,
+    run_last_restart,
     run_list,
 )
 from webapp.runs.services import (
@@ -287,6 +289,8 @@ def run_detail(request, project_id, run_id):
         "tab": "runs",
         "run": run,
         "events": run_event_list(run=run)[:30],
+        "ledger": run_ledger(run),
+        "restart": run_last_restart(run=run),
         "progress": charts.progress(
             step=run.step, max_steps=max_steps, status=run.status, step_times=step_times
         ),

@@ -7,6 +7,8 @@ A session's state is its ``status`` and its trajectory's training state. The leg
                  unrewarded ──► ready                           (a one-turn completion rewarded late)
                  ready ──► claimed ──► trained | dropped        (the trainer's)
                            claimed ──► ready                    (released: its job ended first)
+                 trained ──► ready                              (rewound: trained after the
+                                                                 checkpoint a run resumed from)
 
 A session is written ``open``/``pending`` (the gateway) or ``ended``/``ready`` (a dataset
 run's episode). Nothing else moves a session: ``test_session_lifecycle_has_one_home``
@@ -38,7 +40,7 @@ from django.utils import timezone
 from rl_core.config import stored_setting
 from webapp.gateway import admission, sql
 from webapp.gateway.errors import GatewayError
-from webapp.gateway.models import Interaction, Session
+from webapp.gateway.models import Interaction, Session, TrainingRecord
 from webapp.runs.models import Run
 
 S, T = Session.Status, Session.Trajectory
@@ -53,7 +55,7 @@ TRAJECTORY_MOVES: dict[str, set[str]] = {
     T.UNREWARDED: {T.READY},
     T.READY: {T.CLAIMED},
     T.CLAIMED: {T.READY, T.TRAINED, T.DROPPED},
-    T.TRAINED: set(),
+    T.TRAINED: {T.READY},
     T.DROPPED: set(),
 }
 
@@ -62,6 +64,8 @@ _R = Run.Status
 UNCLAIMABLE_RUN_STATUSES = (_R.COMPLETED, _R.FAILED, _R.STOPPED, _R.INTERRUPTED)
 
 _SESSIONS, _INTERACTIONS = Session._meta.db_table, Interaction._meta.db_table
+_RECORDS = TrainingRecord._meta.db_table
+DROP_STALE = "stale"  # the one reason a trajectory is dropped today (``Session.drop_reason``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,27 +328,74 @@ def release(cursor, *, run_id, session_ids: Iterable | None = None) -> int:
 
 
 def finish_training(
-    cursor, *, run_id, version: int, trained: Iterable, dropped: Iterable
+    cursor, *, run_id, version: int, trained: Iterable, dropped: Iterable, reason: str = DROP_STALE
 ) -> tuple[int, int]:
     """Claimed sessions were trained into policy ``version`` (also those whose stale early
     turns were masked out of the loss), or dropped with nothing fresh enough to train
-    (a dropped trajectory gives its accepted slot back). Returns ``(trained, dropped)``."""
-    done = {"trained_version": version}
-    return (
-        _move_many(
+    (a dropped trajectory gives its accepted slot back; ``reason`` says why). Each session
+    that moves to trained gets its ``TrainingRecord``; one reported again (a retried
+    request) is not claimed any more and moves nowhere. Returns ``(trained, dropped)``."""
+    trained_ids = _claimed(cursor, run_id=run_id, session_ids=list(trained))
+    moved = _move_many(
+        cursor,
+        run_id=run_id,
+        session_ids=trained_ids,
+        current=T.CLAIMED,
+        target=T.TRAINED,
+        also={"trained_version": version},
+    )
+    now = timezone.now()
+    for session_id in trained_ids:
+        sql.insert(
             cursor,
-            run_id=run_id,
-            session_ids=list(trained),
-            current=T.CLAIMED,
-            target=T.TRAINED,
-            also=done,
-        ),
+            TrainingRecord,
+            {"run": run_id, "session": session_id, "version": version, "created_at": now},
+        )
+    return (
+        moved,
         _move_many(
             cursor,
             run_id=run_id,
             session_ids=list(dropped),
             current=T.CLAIMED,
             target=T.DROPPED,
-            also=done,
+            also={"trained_version": version, "drop_reason": reason},
         ),
+    )
+
+
+def _claimed(cursor, *, run_id, session_ids: list) -> list[uuid.UUID]:
+    """Those of ``session_ids`` that are the run's and claimed, locked until the transaction ends."""
+    found: list[uuid.UUID] = []
+    run_pk = admission.run_pk(cursor, run_id)
+    for chunk in sql.chunks([sql.pk(cursor, Session, sid) for sid in session_ids]):
+        cursor.execute(
+            f"SELECT id FROM {_SESSIONS} WHERE run_id = %s AND trajectory = %s"
+            f" AND id IN ({sql.marks(len(chunk))}){sql.for_update(cursor)}",
+            [run_pk, T.CLAIMED, *chunk],
+        )
+        found.extend(sql.as_uuid(row[0]) for row in cursor.fetchall())
+    return found
+
+
+def rewind(cursor, *, run_id, version: int) -> int:
+    """The run resumed from a checkpoint of policy ``version``: what was trained into a later
+    version never happened in the surviving lineage, so those sessions are ready again (to
+    be trained once more) and their records go. Sessions trained at or before ``version``,
+    and drops (a decision, not training), stay. Returns how many sessions were rewound."""
+    run_pk = admission.run_pk(cursor, run_id)
+    cursor.execute(
+        f"SELECT id FROM {_SESSIONS} WHERE run_id = %s AND trajectory = %s"
+        f" AND trained_version > %s{sql.for_update(cursor)}",
+        [run_pk, T.TRAINED, version],
+    )
+    ids = [sql.as_uuid(row[0]) for row in cursor.fetchall()]
+    cursor.execute(f"DELETE FROM {_RECORDS} WHERE run_id = %s AND version > %s", [run_pk, version])
+    return _move_many(
+        cursor,
+        run_id=run_id,
+        session_ids=ids,
+        current=T.TRAINED,
+        target=T.READY,
+        also={"trained_version": None, "claimed_at": None},
     )

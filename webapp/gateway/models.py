@@ -78,7 +78,17 @@ class Session(models.Model):
     last_activity_at = models.DateTimeField(default=timezone.now)
     ended_at = models.DateTimeField(null=True, blank=True)
     claimed_at = models.DateTimeField(null=True, blank=True)
+    # The policy version the trajectory's step produced (step N produces version N); null
+    # until trained, and again after a resume from a checkpoint older than that step.
     trained_version = models.IntegerField(null=True, blank=True)
+    # db_default: the gateway's hand-written INSERTs name only the columns they set.
+    drop_reason = models.CharField(
+        max_length=40,
+        blank=True,
+        default="",
+        db_default="",
+        help_text="Why a dropped trajectory was not trained: stale.",
+    )
 
     class Meta:
         ordering = ["-created_at"]
@@ -90,6 +100,26 @@ class Session(models.Model):
 
     def __str__(self) -> str:
         return f"session {self.id}"
+
+
+class TrainingRecord(models.Model):
+    """One session trained into one policy version: the ledger's evidence of exactly-once.
+
+    Written as the trajectory moves to trained (``lifecycle.finish_training``); a resume from
+    a checkpoint at version k deletes the records above k with the moves they stood for
+    (``lifecycle.rewind``). A session with two records was trained twice in the lineage.
+    """
+
+    run = models.ForeignKey("runs.Run", on_delete=models.CASCADE, related_name="+")
+    session = models.ForeignKey(Session, on_delete=models.CASCADE, related_name="+")
+    version = models.PositiveIntegerField()
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        indexes = [models.Index(fields=["run", "version"])]
+
+    def __str__(self) -> str:
+        return f"{self.session_id}@v{self.version}"
 
 
 class Interaction(models.Model):

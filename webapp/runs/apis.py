@@ -10,6 +10,7 @@ from webapp.api.errors import Conflict
 from webapp.api.fields import RAW_FIELDS
 from webapp.api.views import ProjectAPIView
 from webapp.datasets.selectors import dataset_get
+from webapp.runs.ledger import run_ledger
 from webapp.runs.models import Checkpoint, Run
 from webapp.runs.selectors import (
     checkpoint_for_step,
@@ -366,3 +367,59 @@ class KnownModelsApi(ProjectAPIView):
     )
     def get(self, request):
         return Response(KnownModelOutput(known_models(project=self.project), many=True).data)
+
+
+class LedgerStepOutput(serializers.Serializer):
+    step = serializers.IntegerField(help_text="The step (it produced policy version `step`).")
+    count = serializers.IntegerField(help_text="Trajectories (sessions) that step trained.")
+
+
+class LedgerOutput(serializers.Serializer):
+    run = serializers.UUIDField()
+    version = serializers.IntegerField(help_text="The policy version the run serves now.")
+    step = serializers.IntegerField(help_text="The last step of the surviving lineage.")
+    accepted = serializers.IntegerField(
+        help_text="Trajectories that went to training (sessions neither open nor unrewarded);"
+        " equals trained + dropped + pending."
+    )
+    trained = serializers.IntegerField(
+        help_text="Trained in the surviving lineage (what was trained after the checkpoint a"
+        " resumed run restarted from is pending again)."
+    )
+    trained_by_step = LedgerStepOutput(many=True)
+    trained_records = serializers.IntegerField(
+        help_text="Training records (one per session and step); equals trained when balanced."
+    )
+    dropped = serializers.IntegerField(help_text="Accepted but not trained, for a reason.")
+    dropped_by_reason = serializers.DictField(
+        child=serializers.IntegerField(),
+        help_text='Dropped trajectories by reason: "stale" (no token within max_staleness).',
+    )
+    pending = serializers.IntegerField(help_text="ready + claimed: still to be trained.")
+    ready = serializers.IntegerField()
+    claimed = serializers.IntegerField()
+    open = serializers.IntegerField(help_text="Sessions still running (not in accepted).")
+    unrewarded = serializers.IntegerField(
+        help_text="Sessions ended without a reward: never trained (not in accepted)."
+    )
+    aborted = serializers.IntegerField(
+        help_text="Sessions the client abandoned: expired without a reward (not in accepted)."
+    )
+    trained_twice = serializers.ListField(
+        child=serializers.UUIDField(),
+        help_text="Sessions trained more than once in the surviving lineage (should be none).",
+    )
+    balanced = serializers.BooleanField(
+        help_text="accepted == trained + dropped + pending, nothing trained twice, and the"
+        " training records agree with the sessions' states."
+    )
+
+
+class RunLedgerApi(ProjectAPIView):
+    @extend_schema(
+        responses=LedgerOutput,
+        summary="Where every trajectory the run accepted went: trained (by step), dropped, pending",
+    )
+    def get(self, request, run_id):
+        run = run_get(project=self.project, run_id=run_id)
+        return Response(LedgerOutput(run_ledger(run)).data)

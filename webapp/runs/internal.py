@@ -414,3 +414,13 @@ def events(request, run: Run):
     data = _body(request)
     jobs.job_event(run=run, kind=_str(data, "kind", "job"), message=_str(data, "message"))
     return JsonResponse({"ok": True})
+
+
+@internal("POST")
+def resume(request, run: Run):
+    """The job restored ``step``/``version`` (0/0: no checkpoint) and is about to serve."""
+    data = _body(request)
+    step, version = _int(data, "step"), _int(data, "version")
+    if step < 0 or version < 0:
+        raise BadRequest("'step' and 'version' must be 0 or more")
+    return JsonResponse(jobs.job_resume(run=run, step=step, version=version))

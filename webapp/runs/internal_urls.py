@@ -16,6 +16,7 @@ urlpatterns = [
         "claim",
         "trained",
         "release",
+        "resume",
         "episodes",
         "events",
         "watch",

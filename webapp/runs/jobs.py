@@ -168,6 +168,66 @@ def job_release(*, run: Run, session_ids: list[str] | None = None) -> int:
         return lifecycle.release(cursor, run_id=run.pk, session_ids=session_ids)
 
 
+def job_resume(*, run: Run, step: int, version: int) -> dict:
+    """The job restored the checkpoint of ``step`` / ``version`` (0 / 0: none, from the start),
+    before serving anything: the run goes back to that point of its lineage, in one transaction.
+
+    Claims of the previous attempt are released; sessions trained after ``version`` are ready
+    again (``lifecycle.rewind``: that training is lost with the process that did it); metric
+    points after ``step`` and checkpoints after ``version`` are dropped, so the chart has no
+    duplicate steps; the run's step and version become the checkpoint's, which the servers
+    serve from now on. Returns what the job's admission and rollout driver resume from.
+    """
+    with transaction.atomic():
+        locked = Run.objects.select_for_update().get(pk=run.pk)
+        with connection.cursor() as cursor:
+            released = lifecycle.release(cursor, run_id=run.pk)
+            rewound = lifecycle.rewind(cursor, run_id=run.pk, version=version)
+        MetricPoint.objects.filter(run=run, step__gt=step).delete()
+        Checkpoint.objects.filter(run=run, version__gt=version).delete()
+        previous = locked.weight_version
+        locked.step, locked.weight_version = step, version
+        locked.save(update_fields=["step", "weight_version", "updated_at"])
+        origin = (
+            f"checkpoint of step {step} (version {version})"
+            if step
+            else "version 0: no checkpoint was saved"
+        )
+        message = f"Restarted from {origin}."
+        if previous != version:
+            message += f" The run was at version {previous}."
+        if rewound:
+            message += f" {rewound} trajectories trained after it will be trained again."
+        if step or previous or rewound or released:
+            RunEvent.objects.create(run=run, kind=RunEvent.RESUME, message=message)
+        else:  # a first start: nothing to go back from
+            message = "Training starts from version 0."
+        counters = Run.objects.filter(pk=run.pk).values("sessions_accepted").get()
+        rows_used = dataset_rows_used(run=run) if run.mode == Run.Mode.DATASET else {}
+    run.refresh_from_db()
+    transaction.on_commit(lambda: publish_run_event(run.id, status_event(run)))
+    return {
+        "released": released,
+        "rewound": rewound,
+        "accepted": counters["sessions_accepted"],
+        "rows_used": rows_used,
+        "message": message,
+    }
+
+
+def dataset_rows_used(*, run: Run) -> dict[int, int]:
+    """How many groups of each dataset row the run has submitted (``metadata.row_index``)."""
+    groups: dict[int, set[str]] = {}
+    sessions = Session.objects.filter(run=run, agent__isnull=True).values_list(
+        "metadata", flat=True
+    )
+    for metadata in sessions.iterator():
+        index = (metadata or {}).get("row_index")
+        if isinstance(index, int):
+            groups.setdefault(index, set()).add(str(metadata.get("group_id", "")))
+    return {index: len(ids) for index, ids in sorted(groups.items())}
+
+
 def job_submit_episodes(*, run: Run, episodes: list[dict]) -> list[str]:
     """Record dataset-mode episodes exactly as gateway sessions: ended, rewarded, ready to train.
 

@@ -82,6 +82,8 @@ class Run(models.Model):
 class RunEvent(models.Model):
     """A line in a run's history: transitions, launches, errors."""
 
+    RESUME = "resume"  # where a restarted job took the run back to (the run page shows the last)
+
     run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="events")
     created_at = models.DateTimeField(default=timezone.now)
     kind = models.CharField(max_length=40)

@@ -108,6 +108,11 @@ def run_event_list(*, run: Run) -> QuerySet[RunEvent]:
     return RunEvent.objects.filter(run=run).order_by("-created_at", "-id")
 
 
+def run_last_restart(*, run: Run) -> RunEvent | None:
+    """The latest restart of the run's job from a checkpoint (or from version 0), if any."""
+    return run_event_list(run=run).filter(kind=RunEvent.RESUME).first()
+
+
 def metric_step_times(*, run: Run, last: int) -> list[tuple[int, float]]:
     """When each of the run's last ``last`` steps was first reported: ``[(step, unix seconds)]``, oldest first."""
     rows = (
