@@ -63,7 +63,22 @@ def test_a_postgres_restart_loses_nothing_acknowledged(pg_stack, private_postgre
         try:
             agents.wait_sessions(4)
             private_postgres.stop("fast")  # every connection is cut
-            time.sleep(3)  # down long enough for every kind of call to meet it
+            down = time.monotonic()
+            # While it is down: a clear, retryable 503 on the REST API and the gateway alike.
+            page = rest.get(f"/runs/{run['id']}/")
+            assert page.status_code == 503, page.text
+            assert page.headers["Retry-After"] == "1"
+            assert page.json()["error"]["code"] == "database_unavailable"
+            started = httpx.post(
+                f"{agent['base_url']}/rl/start_session",
+                headers={"Authorization": f"Bearer {key}"},
+                json={},
+                timeout=30,
+            )
+            assert started.status_code == 503, started.text
+            assert started.headers["Retry-After"] == "1"
+            assert started.json()["error"]["code"] == "database_unavailable"
+            time.sleep(max(0.0, 3 - (time.monotonic() - down)))  # agents and the job meet it too
             private_postgres.start()
             agents.wait_sessions(len(agents.ended) + 4)
             final = wait_finished(rest, stack, run["id"])
