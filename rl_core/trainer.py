@@ -47,6 +47,7 @@ from rl_core.distributed import (
     rank_micro_batches,
     shard_model,
 )
+from rl_core.failpoints import failpoint
 from rl_core.hf import TOKENIZER_FILES, config_dtype
 from rl_core.loss import LossConfig, ppo_loss
 from rl_core.memory import PeakMemory, enable_activation_checkpointing, resolve_precision
@@ -216,6 +217,7 @@ class PPOTrainer:
                     self._all_reduce_grads()
                 max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm).item()
+                failpoint("train_step", self.version + 1)
                 if math.isfinite(grad_norm):
                     self.optimizer.step()
                 else:  # one bad batch must not turn every weight into NaN
@@ -441,6 +443,7 @@ class PPOTrainer:
                 config_file.write_text(json.dumps(config, indent=2))
             if extra is not None:
                 torch.save(extra, tmp / TRAINER_STATE)
+                failpoint("checkpoint.write", self.version)
             old = path.with_name(path.name + ".old")
             if path.exists():
                 path.rename(old)

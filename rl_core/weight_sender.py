@@ -27,6 +27,7 @@ import torch
 
 from rl_core import lora
 from rl_core.distributed import full_model_state
+from rl_core.failpoints import failpoint
 from rl_core.inference.weight_group import WeightGroup, dtype_name
 
 logger = logging.getLogger(__name__)
@@ -129,6 +130,7 @@ class WeightSender:
                 tensor = tensor.to(group.device).contiguous()
                 group.broadcast(tensor)
                 sent += tensor.numel() * tensor.element_size()
+                failpoint("weight_sync.broadcast", int(trainer.version))
             except Exception as exc:
                 error = f"{name}: {exc}"
                 logger.warning("weight broadcast failed at %s", error)

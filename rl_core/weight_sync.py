@@ -298,13 +298,25 @@ class WeightSync:
             answer, stall = await self._paused(server, update, mode)
             return stall
 
-        send = self._bounded(
-            asyncio.to_thread(trainer.broadcast_weights, GROUP_NAME), "the trainer's broadcast", 5.0
+        send = asyncio.ensure_future(
+            self._bounded(
+                asyncio.to_thread(trainer.broadcast_weights, GROUP_NAME),
+                "the trainer's broadcast",
+                5.0,
+            )
         )
-        results = await asyncio.gather(
-            send, *(one(s, k) for s, k in zip(servers, kinds, strict=True)), return_exceptions=True
-        )
-        sent, answers = results[0], results[1:]
+        updates = [asyncio.ensure_future(one(s, k)) for s, k in zip(servers, kinds, strict=True)]
+        await asyncio.wait([send])
+        crash = send.exception()
+        if crash is not None and not isinstance(crash, WeightSyncError):
+            # The trainer itself failed (its process died mid-update, say), not the transfer:
+            # no server can finish this update and there are no weights to fall back to.
+            for update in updates:
+                update.cancel()
+            await asyncio.gather(*updates, return_exceptions=True)
+            raise crash
+        answers = await asyncio.gather(*updates, return_exceptions=True)
+        sent = crash if crash is not None else send.result()
         failed = [s for s, r in zip(servers, answers, strict=True) if isinstance(r, BaseException)]
         trainer_error = (
             sent

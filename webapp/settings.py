@@ -197,6 +197,9 @@ INTERNAL_API_LONG_POLL_S = envint("INTERNAL_API_LONG_POLL_S", 30, minimum=0)
 # Relaunches of a run whose job crashed, since it was last started by hand (a run interrupted
 # by a clean stop of Steep resumes without using one).
 RUN_MAX_RESTARTS = envint("RUN_MAX_RESTARTS", 3, minimum=0)
+# How often the worker looks for runs whose job died (and restarts them): the longest a
+# crashed run waits before its restart is queued.
+RUN_RECONCILE_INTERVAL_S = envint("RUN_RECONCILE_INTERVAL_S", 15, minimum=1)
 # torch threads per inference server / trainer process in a run's job.
 STEEP_TORCH_THREADS = envint("STEEP_TORCH_THREADS", 1, minimum=1)
 # How long a run's trainer workers wait for free GPUs (CPUs) before the run fails.
@@ -204,6 +207,8 @@ STEEP_PLACEMENT_TIMEOUT_S = envint("STEEP_PLACEMENT_TIMEOUT_S", 600, minimum=1)
 # The bound on every step of a weight update (group join, broadcast, load): a server that
 # misses it is reported and takes weights from disk from then on (rl_core.weight_sync).
 STEEP_WEIGHT_SYNC_TIMEOUT_S = envint("STEEP_WEIGHT_SYNC_TIMEOUT_S", 120, minimum=1)
+# Chaos tests only: a file of failpoints where a run's trainer kills itself (rl_core.failpoints).
+STEEP_FAILPOINTS = envstr("STEEP_FAILPOINTS", "")
 
 # The demo `./steep up` sets up: its model (offered first as a run's base_model) and the
 # demo agent that keeps its online run busy (webapp.runs.demo_agent).
@@ -245,7 +250,7 @@ CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_TASK_ALWAYS_EAGER = envbool("CELERY_TASK_ALWAYS_EAGER", False)
 CELERY_BEAT_SCHEDULE = {
     "expire-idle-sessions": {"task": "sessions.expire_idle", "schedule": 60.0},
-    "reconcile-runs": {"task": "runs.reconcile", "schedule": 15.0},
+    "reconcile-runs": {"task": "runs.reconcile", "schedule": float(RUN_RECONCILE_INTERVAL_S)},
 }
 if STEEP_DEMO_AGENT:
     # A bounded batch of episodes per tick; a tick that finds another still playing returns.

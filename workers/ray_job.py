@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -31,6 +32,7 @@ from typing import Any
 import ray
 
 from rl_core.config import RunConfig
+from rl_core.failpoints import ENV as FAILPOINTS
 from rl_core.inference.launch import free_port, make_inference_server
 from workers.capacity import CapacityError, check_capacity, placement_timeout_s, resolve_backend
 from workers.job_api import InternalAPI, WebEpisodeSink, WebReporter, WebSource
@@ -159,6 +161,8 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
         backend = resolve_backend(config.inference_backend, resources)
         needs = check_capacity(config, backend, resources)  # refuse what can never be placed
         env = {"STEEP_TORCH_THREADS": os.environ.get("STEEP_TORCH_THREADS", "1")}
+        if os.environ.get(FAILPOINTS):  # chaos tests: the trainer kills itself where told
+            env[FAILPOINTS] = os.environ[FAILPOINTS]
         # The trainer starts from config.init_checkpoint's weights when set, else base_model's.
         trainer = await asyncio.to_thread(
             TrainerGroup,
@@ -281,6 +285,16 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
             final, message=f"Training {final} at step {summary.step} (version {summary.version})."
         )
         return final
+    except ray.exceptions.RayActorError:
+        # A trainer or server process died (SIGKILL, OOM, a lost node): a crash, not a failure
+        # of the run. The job ends without a status, so the reconciler restarts the run from
+        # its last checkpoint, as after a crash of this process (RUN_MAX_RESTARTS bounds it).
+        logger.exception("run %s: a process of its job died", run_id)
+        with contextlib.suppress(Exception):
+            await WebReporter(api).event(
+                "crash", "A trainer or inference process of the job died; the run will restart."
+            )
+        raise
     except Exception as exc:
         logger.exception("run %s failed", run_id)
         error = f"{type(exc).__name__}: {exc}"

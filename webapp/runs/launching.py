@@ -67,6 +67,8 @@ def _submit(run: Run) -> str:
         "STEEP_PLACEMENT_TIMEOUT_S": str(settings.STEEP_PLACEMENT_TIMEOUT_S),
         "STEEP_WEIGHT_SYNC_TIMEOUT_S": str(settings.STEEP_WEIGHT_SYNC_TIMEOUT_S),
     }
+    if settings.STEEP_FAILPOINTS:  # chaos tests (rl_core.failpoints)
+        env["STEEP_FAILPOINTS"] = settings.STEEP_FAILPOINTS
     if cluster.local:  # this machine: record the inference servers where a stop of Steep finds them
         env["STEEP_PID_DIR"] = str(inference_pid_dir(settings.DATA_DIR))
     entrypoint = [
