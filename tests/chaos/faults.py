@@ -44,6 +44,7 @@ from tests.livestack import LiveStack, answers, free_port, steep_env, wait_for
 # A fault must be seen in seconds, not in the production defaults' minutes.
 CHAOS_ENV = {
     "INTERNAL_API_LONG_POLL_S": "5",
+    "RUN_RECONCILE_INTERVAL_S": "2",
     "STEEP_DEMO_AGENT": "false",
     "GATEWAY_RETRY_AFTER_S": "1",
 }
@@ -233,12 +234,20 @@ def wait_finished(rest: httpx.Client, chaos: Chaos, run_id: str, timeout=480) ->
 # --------------------------------------------------------------------------- the ledger
 
 
-def assert_ledger_exact(rest: httpx.Client, run_id: str) -> dict:
-    """accepted = trained once + dropped (each with a reason) + pending, and no trajectory id
-    trained twice in the surviving lineage; returns the ledger."""
+def assert_ledger_exact(
+    rest: httpx.Client, run_id: str, *, steps: int, batch_size: int | None = None
+) -> dict:
+    """accepted = trained once + dropped (each with a reason) + pending, no trajectory id
+    trained twice in the surviving lineage, and steps 1..``steps`` each trained something
+    (with ``batch_size``: exactly one batch, which holds when a session is one trajectory, as
+    a dataset run's are); returns the ledger."""
     response = call(rest, "GET", f"/runs/{run_id}/ledger/")
     assert response.status_code == 200, response.text
     ledger = response.json()
+    by_step = ledger["trained_by_step"]
+    assert [item["step"] for item in by_step] == list(range(1, steps + 1)), ledger
+    if batch_size is not None:
+        assert all(item["count"] == batch_size for item in by_step), ledger
     assert ledger["trained_twice"] == [], ledger
     assert sum(ledger["dropped_by_reason"].values()) == ledger["dropped"], ledger
     assert sum(item["count"] for item in ledger["trained_by_step"]) == ledger["trained"], ledger

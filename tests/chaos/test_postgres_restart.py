@@ -86,7 +86,7 @@ def test_a_postgres_restart_loses_nothing_acknowledged(pg_stack, private_postgre
             agents.stop()
         assert final["step"] == 6, final
         assert_acknowledged_kept(agents, run["id"], private_postgres.url)
-        ledger = assert_ledger_exact(rest, run["id"])
+        ledger = assert_ledger_exact(rest, run["id"], steps=6)
         assert ledger["trained"] > 0, ledger
     restarts = run_checked(
         [

@@ -34,5 +34,5 @@ def test_a_run_survives_its_worker_killed_and_restarted(chaos, rest):  # noqa: F
 
     final = wait_finished(rest, chaos, run["id"])
     assert final["step"] == 6, final
-    ledger = assert_ledger_exact(rest, run["id"])
+    ledger = assert_ledger_exact(rest, run["id"], steps=6, batch_size=16)
     assert ledger["trained"] > 0, ledger
