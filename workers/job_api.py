@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from typing import Any
 
 import httpx
@@ -168,8 +169,16 @@ class WebSource:
         backoff = self.poll_s
         while len(self.buffer) < n and not self.stopped:
             asked = time.monotonic()
+            # One id per claim, the same in call()'s retries: a claim whose answer was lost
+            # (the web app restarted) is answered again with what it took.
             claimed = await self.api.call(
-                "POST", "claim", {"limit": n - len(self.buffer), "wait_s": self.wait_s}
+                "POST",
+                "claim",
+                {
+                    "limit": n - len(self.buffer),
+                    "wait_s": self.wait_s,
+                    "claim_id": uuid.uuid4().hex,
+                },
             )
             for item in claimed["sessions"]:
                 for index, data in enumerate(item["trajectories"]):

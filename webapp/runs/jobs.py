@@ -145,9 +145,9 @@ def job_report_checkpoint(
     return checkpoint
 
 
-def job_claim_trajectories(*, run: Run, limit: int) -> list[dict]:
+def job_claim_trajectories(*, run: Run, limit: int, token: str = "") -> list[dict]:
     out = []
-    for session in trajectories_claim(run=run, limit=limit):
+    for session in trajectories_claim(run=run, limit=limit, token=token):
         trajectories = session_trajectories(session)
         out.append(
             {"session_id": str(session.id), "trajectories": [t.to_dict() for t in trajectories]}
