@@ -149,6 +149,7 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
     trainer = None
     weight_sync: Any = None
     replicas: list = []
+    keeper: asyncio.Task | None = None  # watch_servers: restarts a server that exited
     urls: list[str] = []
     try:
         info = await api.config()
@@ -307,6 +308,8 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
             logger.exception("could not report the failure")
         raise
     finally:
+        if keeper is not None:  # before the servers stop: a stopped one is not to be restarted
+            keeper.cancel()
         if weight_sync is not None:  # leave the broadcast group on both sides, close clients
             try:
                 if isinstance(weight_sync, WeightSync):
