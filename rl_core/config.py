@@ -224,7 +224,11 @@ class RunConfig:
     )
     # Bookkeeping
     save_every: int = _f(
-        50, "Save a checkpoint every this many steps (and always at the end).", min=1
+        50,
+        "Save a checkpoint every this many steps (and always at the end). After a crash the run"
+        " resumes from the last one and trains the steps since again (their trajectories are kept):"
+        " lower it for LoRA runs, whose checkpoints are the adapter alone (docs/benchmarks.md).",
+        min=1,
     )
     seed: int = _f(0, "Random seed for sampling and initialisation.", min=0)
 

@@ -201,3 +201,13 @@ def test_web_side_modules_do_not_import_torch():
         [sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, check=True
     )
     assert out.stdout.strip() == "False"
+
+
+def test_a_restarted_job_takes_the_web_apps_counts_not_a_guess_from_the_version():
+    # Resumed at version 2 with 21 trajectories accepted (trained + ready + claimed) in the
+    # surviving lineage: more than the 2 * 8 the version alone would suggest.
+    controller = StalenessController(max_staleness=1, batch_size=8, version=0)
+    assert controller.try_admit()
+    controller.restore(version=2, accepted=21)
+    assert (controller.version, controller.accepted, controller.running) == (2, 21, 0)
+    assert controller.capacity() == (1 + 2 + 1) * 8 - 21

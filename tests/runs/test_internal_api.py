@@ -292,3 +292,35 @@ def test_the_job_reports_the_clusters_gpus_and_cpus(job):
         assert response.status_code == 400, bad
         assert "must be a number" in response.json()["error"]["message"]
     assert ClusterReport.objects.get().gpus == 2.0
+
+
+def test_resume_rewinds_the_run_and_answers_what_the_job_resumes_from(job, running):
+    assert job("POST", "episodes", {"episodes": [episode(1.0), episode(0.5)]}).status_code == 201
+    claimed = [s["session_id"] for s in job("POST", "claim", {"limit": 2}).json()["sessions"]]
+    assert job("POST", "trained", {"version": 1, "trained": claimed}).status_code == 200
+    answer = job("POST", "resume", {"step": 0, "version": 0})
+    assert answer.status_code == 200, answer.content
+    body = answer.json()
+    assert (body["released"], body["rewound"], body["accepted"], body["rows_used"]) == (0, 2, 2, {})
+    assert set(Session.objects.values_list("trajectory", flat=True)) == {"ready"}
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"step": "3", "version": 3},
+        {"step": 3},
+        {"step": -1, "version": 0},
+        {"step": 1, "version": True},
+    ],
+)
+def test_resume_refuses_what_is_not_a_step_and_a_version(job, body):
+    response = job("POST", "resume", body)
+    assert response.status_code == 400, response.content
+    assert response.json()["error"]["code"] == "internal_api_error"
+
+
+def test_resume_needs_the_job_secret(client, running):
+    response = client.post(url(running, "resume"), data={}, content_type="application/json")
+    assert response.status_code == 401
+    assert client.get(url(running, "resume")).status_code == 405  # a POST only
