@@ -91,6 +91,12 @@ class InferenceReplica:
         self.server.stop()
 
 
+def _process_died(exc: BaseException) -> bool:
+    """An actor's process died under it; not an error in its ``__init__`` (which a restart
+    would only repeat: that one fails the run with its message)."""
+    return isinstance(exc, ray.exceptions.RayActorError) and not exc.actor_init_failed
+
+
 async def watch_servers(
     replicas: list, urls: list[str], backend: str, loop: Any, api: InternalAPI, reporter: Any
 ) -> None:
@@ -286,17 +292,17 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
             final, message=f"Training {final} at step {summary.step} (version {summary.version})."
         )
         return final
-    except ray.exceptions.RayActorError:
-        # A trainer or server process died (SIGKILL, OOM, a lost node): a crash, not a failure
-        # of the run. The job ends without a status, so the reconciler restarts the run from
-        # its last checkpoint, as after a crash of this process (RUN_MAX_RESTARTS bounds it).
-        logger.exception("run %s: a process of its job died", run_id)
-        with contextlib.suppress(Exception):
-            await WebReporter(api).event(
-                "crash", "A trainer or inference process of the job died; the run will restart."
-            )
-        raise
     except Exception as exc:
+        if _process_died(exc):
+            # A trainer or server process died (SIGKILL, OOM, a lost node): a crash, not a
+            # failure of the run. The job ends without a status, so the reconciler restarts the
+            # run from its last checkpoint, as after a crash of this process (RUN_MAX_RESTARTS).
+            logger.exception("run %s: a process of its job died", run_id)
+            with contextlib.suppress(Exception):
+                await WebReporter(api).event(
+                    "crash", "A trainer or inference process of the job died; the run will restart."
+                )
+            raise
         logger.exception("run %s failed", run_id)
         error = f"{type(exc).__name__}: {exc}"
         if not isinstance(exc, CapacityError):  # that one says all there is to say

@@ -30,6 +30,7 @@ DETAIL_REQUESTS = [
     ("runs/<str:run_id>/start/", "post", "run", 202),
     ("runs/<str:run_id>/stop/", "post", "queued_run", 202),
     ("runs/<str:run_id>/clone/", "post", "run", 201),
+    ("runs/<str:run_id>/ledger/", "get", "run", 200),
     ("runs/<str:run_id>/metrics/", "get", "run", 200),
     ("runs/<str:run_id>/checkpoints/", "get", "run", 200),
     ("runs/<str:run_id>/checkpoints/<str:checkpoint_id>/", "get", "checkpoint", 200),
