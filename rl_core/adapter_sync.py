@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from rl_core.inference.adapters import adapter_name
-from rl_core.inference.client import InferenceClient
+from rl_core.inference.client import InferenceClient, InferenceUnavailable
 from rl_core.weight_sync import dir_bytes
 
 logger = logging.getLogger(__name__)
@@ -50,6 +50,7 @@ class AdapterSync:
         prefix: str,
         *,
         keep: int = 2,
+        skip_unreachable: bool = False,
     ):
         if keep < 1:
             raise ValueError("AdapterSync keeps at least the newest adapter loaded (keep >= 1)")
@@ -57,6 +58,7 @@ class AdapterSync:
         self.adapters_dir = Path(adapters_dir)
         self.prefix = prefix
         self.keep = keep
+        self.skip_unreachable = skip_unreachable  # as WeightSync's: restarted and resynced later
         self.current: str | None = None  # the newest adapter's name
         self.loaded: list[tuple[int, str]] = []  # (version, name), oldest first, not yet retired
         self.last_timing: dict[str, float] = {}
@@ -88,6 +90,7 @@ class AdapterSync:
             (url, r)
             for url, r in zip(self.urls, results, strict=True)
             if isinstance(r, BaseException)
+            and not (self.skip_unreachable and isinstance(r, InferenceUnavailable))
         ]
         if failed:
             # Leave no server with a name the others lack.

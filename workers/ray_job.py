@@ -210,10 +210,13 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
         reporter = WebReporter(api)
         source = WebSource(api)
         # LoRA: each version is loaded as a new adapter, no pause (rl_core/adapter_sync.py).
+        # A server that died is left out of an update: watch_servers restarts and resyncs it.
         weight_sync = (
-            AdapterSync(urls, data_dir / "adapters", prefix=run_id)
+            AdapterSync(urls, data_dir / "adapters", prefix=run_id, skip_unreachable=True)
             if config.lora_rank
-            else WeightSync(urls, data_dir / "weights", strategy=config.weight_sync)
+            else WeightSync(
+                urls, data_dir / "weights", strategy=config.weight_sync, skip_unreachable=True
+            )
         )
         loop = TrainingLoop(
             config,
