@@ -58,6 +58,7 @@ class LoadConfig:
     model: str = "policy"
     max_tokens: int = 8
     timeout: float = 30.0  # seconds per request before it counts as an error
+    collect_ids: bool = False  # also send back the ids acknowledged (bench/load.py checks them)
 
 
 @dataclass
@@ -75,6 +76,9 @@ class LoadResult:
     acknowledged: dict[str, int]  # 2xx answers in the whole cell (warm-up and tail included)
     errors: dict[str, int]  # non-2xx answers and exceptions in the whole cell
     error_samples: list[str] = field(default_factory=list)
+    statuses: dict[str, int] = field(default_factory=dict)  # non-2xx answers by status
+    # With collect_ids: the completion ids answered ("turn") and the sessions ended ("end").
+    ids: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def episodes_per_s(self) -> float:
@@ -122,10 +126,14 @@ def run_load(config: LoadConfig) -> LoadResult:
                 child.join(5)
     latencies: dict[str, list[float]] = {e: [] for e in ENDPOINTS}
     totals = {name: dict.fromkeys(ENDPOINTS, 0) for name in ("requests", "ok", "errors")}
-    episodes, samples = 0, []
+    episodes, samples, statuses, ids = 0, [], {}, {"turn": [], "end": []}
     for part in parts:
         episodes += part["episodes"]
         samples += part["error_samples"]
+        for status, n in part["statuses"].items():
+            statuses[status] = statuses.get(status, 0) + n
+        for endpoint in ids:
+            ids[endpoint] += part["ids"][endpoint]
         for endpoint in ENDPOINTS:
             latencies[endpoint] += part["latencies"][endpoint]
             for name in totals:
@@ -143,6 +151,8 @@ def run_load(config: LoadConfig) -> LoadResult:
         acknowledged={e: totals["ok"][e] for e in used},
         errors={e: totals["errors"][e] for e in used},
         error_samples=samples[:ERROR_SAMPLES],
+        statuses=statuses,
+        ids=ids if config.collect_ids else {},
     )
 
 
@@ -193,6 +203,8 @@ class _Tally:
         self.errors = dict.fromkeys(ENDPOINTS, 0)
         self.episodes = 0
         self.error_samples: list[str] = []
+        self.statuses: dict[str, int] = {}
+        self.ids: dict[str, list[str]] = {"turn": [], "end": []}
 
     def measured(self, done: float) -> bool:
         return self.measure_from <= done <= self.until
@@ -205,6 +217,8 @@ class _Tally:
                 self.latencies[endpoint].append(done - started)
             return
         self.errors[endpoint] += 1
+        status = problem.split(" ", 1)[0] if problem[:1].isdigit() else "no answer"
+        self.statuses[status] = self.statuses.get(status, 0) + 1
         if len(self.error_samples) < ERROR_SAMPLES:
             self.error_samples.append(f"{endpoint}: {problem}")
 
@@ -216,6 +230,8 @@ class _Tally:
             "errors": self.errors,
             "episodes": self.episodes,
             "error_samples": self.error_samples,
+            "statuses": self.statuses,
+            "ids": self.ids,
         }
 
 
@@ -279,7 +295,10 @@ async def _episode(call, config: LoadConfig, project: dict, tally: _Tally) -> bo
         answer = await call("turn", "/chat/completions", headers, json.dumps(body).encode())
         if answer is None:
             return False
-        reply = json.loads(answer)["choices"][0]["message"]
+        completion = json.loads(answer)
+        if config.collect_ids:
+            tally.ids["turn"].append(completion["id"])
+        reply = completion["choices"][0]["message"]
         messages = messages + [
             {"role": "assistant", "content": reply.get("content") or ""},
             {"role": "user", "content": QUESTIONS[(turn + 1) % len(QUESTIONS)]},
@@ -289,8 +308,11 @@ async def _episode(call, config: LoadConfig, project: dict, tally: _Tally) -> bo
             ("reward", "/rl/set_reward", REWARD_BODY),
             ("end", "/rl/end_session", b""),
         ):
-            if over() or await call(endpoint, path, headers, body) is None:
+            answer = None if over() else await call(endpoint, path, headers, body)
+            if answer is None:
                 return False
+            if endpoint == "end" and config.collect_ids:
+                tally.ids["end"].append(json.loads(answer)["session_id"])
     return True
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from rl_core.inference.adapters import adapter_name
-from rl_core.inference.client import InferenceClient
+from rl_core.inference.client import InferenceClient, InferenceUnavailable
 from rl_core.weight_sync import dir_bytes
 
 logger = logging.getLogger(__name__)
@@ -52,6 +52,7 @@ class AdapterSync:
         keep: int = 2,
         refresh: Callable[[], Awaitable[list[str]]] | None = None,
         on_change: Callable[[list[str], list[str]], Awaitable[None]] | None = None,
+        skip_unreachable: bool = False,
     ):
         if keep < 1:
             raise ValueError("AdapterSync keeps at least the newest adapter loaded (keep >= 1)")
@@ -62,6 +63,7 @@ class AdapterSync:
         self.adapters_dir = Path(adapters_dir)
         self.prefix = prefix
         self.keep = keep
+        self.skip_unreachable = skip_unreachable  # as WeightSync's: restarted and resynced later
         self.current: str | None = None  # the newest adapter's name
         self.loaded: list[tuple[int, str]] = []  # (version, name), oldest first, not yet retired
         self.last_timing: dict[str, float] = {}
@@ -94,6 +96,7 @@ class AdapterSync:
             (url, r)
             for url, r in zip(self.urls, results, strict=True)
             if isinstance(r, BaseException)
+            and not (self.skip_unreachable and isinstance(r, InferenceUnavailable))
         ]
         if failed:
             # Leave no server with a name the others lack.
@@ -143,6 +146,13 @@ class AdapterSync:
             self._clients = [old.get(url) or InferenceClient(url) for url in urls]
             self.urls = urls
         return added, removed
+
+    async def resync(self, trainer: Any, url: str) -> None:
+        """The server at ``url`` was restarted (the base model only): it loads the adapters
+        still in use again, from the directories kept for them."""
+        client = self._get_clients()[self.urls.index(url)]
+        for version, name in self.loaded:
+            await client.load_lora_adapter(name, str(self.adapters_dir / f"v{version}"))
 
     async def _unload(self, name: str, clients: list[InferenceClient]) -> None:
         results = await asyncio.gather(

@@ -258,6 +258,9 @@ class TrainingLoop:
         self._stop_event: asyncio.Event | None = None
         self._aloop: asyncio.AbstractEventLoop | None = None
         self._last_step_end: float | None = None
+        # Held from a step's update to its weights reaching the servers: the weights and
+        # trainer.version agree outside it (``resync_server``).
+        self.weights_lock = asyncio.Lock()
 
     @property
     def version(self) -> int:
@@ -316,6 +319,15 @@ class TrainingLoop:
         )
 
     # ----- the loop
+
+    async def resync_server(self, url: str) -> int:
+        """A server at ``url`` was started again (a fresh process, base weights): give it the
+        current policy now, between two steps. Returns the version it serves."""
+        if self.weight_sync is None:
+            return self.version
+        async with self.weights_lock:
+            await self.weight_sync.resync(self.trainer, url)
+            return self.version
 
     async def run(self, max_steps: int | None = None) -> LoopSummary:
         """Train until ``step == max_steps`` (default ``cfg.max_steps``; counted across resumes) or ``stop()``."""
@@ -416,15 +428,15 @@ class TrainingLoop:
             return None
 
         trajectories = [t for _, t in kept]
-        with phases.phase("train_step"):
-            stats = await asyncio.to_thread(self.trainer.train_step, trajectories)
-        self.step += 1
-
         sync_timing: dict[str, float] = {}
-        with phases.phase("weight_sync"):
-            if self.weight_sync is not None:
-                await self.weight_sync.push(self.trainer)
-                sync_timing = self.weight_sync.last_timing
+        async with self.weights_lock:  # a restarted server's catch-up waits for this version
+            with phases.phase("train_step"):
+                stats = await asyncio.to_thread(self.trainer.train_step, trajectories)
+            self.step += 1
+            with phases.phase("weight_sync"):
+                if self.weight_sync is not None:
+                    await self.weight_sync.push(self.trainer)
+                    sync_timing = self.weight_sync.last_timing
         version = self.version
         if self.controller is not None:
             self.controller.on_version(version)

@@ -47,7 +47,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rl_core.inference.client import InferenceClient
+from rl_core.inference.client import InferenceClient, InferenceUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +98,7 @@ class WeightSync:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         pause_mode: str = "auto",
         reporter: Any = None,
+        skip_unreachable: bool = False,
     ):
         if keep < 1:
             raise ValueError("WeightSync keeps at least the newest weights (keep >= 1)")
@@ -110,6 +111,9 @@ class WeightSync:
         self.strategy, self.keep, self.timeout_s = strategy, keep, timeout_s
         self.pause_mode = pause_mode
         self.reporter = reporter
+        # A server that cannot be reached is left out of a push instead of failing it: someone
+        # restarts it and calls resync (workers.ray_job.watch_servers). False: push raises.
+        self.skip_unreachable = skip_unreachable
         self.last_timing: dict[str, float] = {}
         self._servers: list[_Server] | None = None
         self._group: list[_Server] = []  # the members of the live group, empty when none
@@ -185,6 +189,26 @@ class WeightSync:
             self.last_timing["timing/save_weights"] = stats["save"]
         return version
 
+    async def resync(self, trainer: Any, url: str) -> None:
+        """The server at ``url`` was restarted (a fresh process with the base weights): it takes
+        the trainer's current weights from disk now. Its old process was a member of the
+        broadcast group, so the group is rebuilt, with the new one, at the next ``push``."""
+        server = next((s for s in self._get_servers() if s.url == url), None)
+        if server is None:
+            raise ValueError(f"{url} is not one of this weight sync's servers")
+        server.kind = None  # the new process may be another build
+        server.disk_only = False  # a fresh process joins the rebuilt group at the next push
+        if self._group:
+            try:
+                await asyncio.wait_for(
+                    self._destroy_group(trainer), self.timeout_s + _HTTP_MARGIN_S
+                )
+            except Exception:
+                logger.exception("could not destroy the weight group")
+            self._group = []
+        stats = {"bytes": 0.0, "transfer": 0.0, "stall": 0.0, "save": 0.0}
+        await self._push_disk(trainer, int(trainer.version), [server], stats)
+
     async def _paused(self, server: _Server, update: Any, mode: str | None) -> tuple[Any, float]:
         """Run ``update`` on ``server`` (inside a pause when ``mode``); its answer and the stall."""
         if mode is None:
@@ -230,10 +254,19 @@ class WeightSync:
         failures = [
             (s, r) for s, r in zip(servers, results, strict=True) if isinstance(r, BaseException)
         ]
+        gone = [s for s, r in failures if isinstance(r, InferenceUnavailable)]
+        if self.skip_unreachable and gone:
+            failures = [(s, r) for s, r in failures if s not in gone]
+            await self._event(
+                "weight_sync",
+                f"{', '.join(s.url for s in gone)} unreachable: left out of version {version}; "
+                "it takes the current weights when it is back.",
+            )
         if failures:
             detail = "; ".join(f"{s.url}: {r}" for s, r in failures)
             raise WeightSyncError(f"update_weights_from_disk of version {version} failed: {detail}")
-        stats["stall"] = max([stats["stall"], *(float(r) for r in results)])  # type: ignore[arg-type]
+        stalls = [float(r) for r in results if not isinstance(r, BaseException)]
+        stats["stall"] = max([stats["stall"], *stalls])
         stats["transfer"] += time.perf_counter() - started
         self._prune()
 

@@ -4,6 +4,7 @@ process of the user on the machine)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -95,3 +96,33 @@ def test_it_stops_the_runs_inference_servers_recorded_for_its_data_dir_and_no_ot
                 subprocess.run(["kill", "-9", str(pid)], check=False)
             server.kill()
             server.wait(timeout=10)
+
+
+def test_it_stops_job_drivers_a_dead_head_left_behind_and_no_other(tmp_path):
+    # A run's job driver outlives its head when the head dies first (the worker that started
+    # it was killed): it names no temp dir, but its environment names the head's token.
+    drivers = {}
+    for name in ("ours", "theirs"):
+        env = dict(os.environ, RAY_AUTH_TOKEN_PATH=str(tmp_path / name / "ray" / "auth_token"))
+        drivers[name] = subprocess.Popen(
+            [sys.executable, "-c", PARENT, "-m", "workers.ray_job"], env=env
+        )
+    try:
+        deadline = time.monotonic() + 30
+        while not all(children_of(driver.pid) for driver in drivers.values()):
+            assert time.monotonic() < deadline, "the stand-in drivers did not start"
+            time.sleep(0.05)
+        [child] = children_of(drivers["ours"].pid)
+
+        stopped = stop_local_cluster(data_dir=tmp_path / "ours", grace_s=5)
+
+        assert set(stopped) == {drivers["ours"].pid, child}
+        drivers["ours"].wait(timeout=10)
+        assert not _running(child)
+        assert drivers["theirs"].poll() is None
+    finally:
+        for driver in drivers.values():
+            for pid in children_of(driver.pid):
+                subprocess.run(["kill", "-9", str(pid)], check=False)
+            driver.kill()
+            driver.wait(timeout=10)

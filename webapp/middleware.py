@@ -1,9 +1,19 @@
-"""Request body limits, enforced before any view or parser reads the body."""
+"""Request body limits, enforced before any view or parser reads the body; a database that is
+down (restarting) answered as a retryable 503 instead of a 500."""
 
 from __future__ import annotations
 
+import logging
+
 from django.conf import settings
-from django.http import JsonResponse
+from django.db import InterfaceError, OperationalError
+from django.http import HttpResponse, JsonResponse
+
+logger = logging.getLogger(__name__)
+
+# What a client waits before retrying while the database is unavailable (a restart takes seconds).
+DATABASE_RETRY_AFTER_S = 1
+DATABASE_UNAVAILABLE = "The database is unavailable (restarting?). Retry shortly."
 
 
 def too_large_body(limit: int, *, openai_shape: bool) -> dict:
@@ -51,3 +61,45 @@ class BodySizeLimitMiddleware:
         if "/datasets" in path:
             return settings.DATASET_MAX_BYTES + 64 * 1024
         return settings.MAX_REQUEST_BYTES
+
+
+class DatabaseUnavailableMiddleware:
+    """A view that failed because the database could not be reached (refused, the connection
+    dropped by a restart) answers 503 with ``Retry-After``: the REST API's error shape, OpenAI's
+    on the gateway's Django routes, plain text for pages. Django drops the broken connection at
+    the end of the request, so the next one connects afresh. Nothing was acknowledged: a write
+    that failed this way was rolled back with its transaction."""
+
+    def __init__(self, get_response):
+        self.get_response = get_response
+
+    def __call__(self, request):
+        return self.get_response(request)
+
+    def process_exception(self, request, exception):
+        if not isinstance(exception, OperationalError | InterfaceError):
+            return None
+        logger.error("database unavailable: %r", exception)
+        return database_unavailable_response(request.path)
+
+
+def database_unavailable_response(path: str) -> HttpResponse:
+    headers = {"Retry-After": str(DATABASE_RETRY_AFTER_S)}
+    if path.startswith("/agents/"):
+        body = {
+            "error": {
+                "message": DATABASE_UNAVAILABLE,
+                "type": "service_unavailable_error",
+                "param": None,
+                "code": "database_unavailable",
+            }
+        }
+        return JsonResponse(body, status=503, headers=headers)
+    if path.startswith(("/api/", "/internal/")):
+        body = {
+            "error": {"message": DATABASE_UNAVAILABLE, "code": "database_unavailable", "fields": {}}
+        }
+        return JsonResponse(body, status=503, headers=headers)
+    return HttpResponse(
+        DATABASE_UNAVAILABLE, status=503, headers=headers, content_type="text/plain"
+    )

@@ -82,6 +82,7 @@ MIDDLEWARE = [
     "webapp.observability.request_id_middleware",
     "webapp.health.health_middleware",
     "webapp.middleware.BodySizeLimitMiddleware",
+    "webapp.middleware.DatabaseUnavailableMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",

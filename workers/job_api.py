@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +25,9 @@ logger = logging.getLogger(__name__)
 # What a long-poll asks the web app to wait at most (it may wait less: INTERNAL_API_LONG_POLL_S);
 # under the client's read timeout.
 LONG_POLL_S = 30.0
+# How long a call is retried while the web app does not answer (a restart, a database restart);
+# past that the job fails and the worker's reconciler restarts it from its last checkpoint.
+RETRY_S = 120.0
 
 
 class InternalAPI:
@@ -37,16 +41,18 @@ class InternalAPI:
         await self.http.aclose()
 
     async def call(
-        self, method: str, name: str, body: dict | None = None, *, retries: int = 5
+        self, method: str, name: str, body: dict | None = None, *, retry_s: float = RETRY_S
     ) -> Any:
-        """One request, retried on transport errors and 5xx (the web app may be restarting)."""
-        delay = 0.5
-        for attempt in range(retries + 1):
+        """One request, retried on transport errors and 5xx for up to ``retry_s`` seconds: the
+        web app may be restarting, or its database (docs/operations.md)."""
+        delay, deadline = 0.5, time.monotonic() + retry_s
+        while True:
             try:
                 response = await self.http.request(method, f"{self.prefix}/{name}", json=body)
-            except httpx.TransportError:
-                if attempt == retries:
+            except httpx.TransportError as exc:
+                if time.monotonic() + delay > deadline:
                     raise
+                logger.warning("internal API %s %s: %r; retrying", method, name, exc)
             else:
                 if response.status_code < 500:
                     response.raise_for_status()
@@ -55,10 +61,13 @@ class InternalAPI:
                         if response.headers.get("content-type", "").startswith("application/json")
                         else response.content
                     )
-                if attempt == retries:
+                if time.monotonic() + delay > deadline:
                     response.raise_for_status()
+                logger.warning(
+                    "internal API %s %s answered %d; retrying", method, name, response.status_code
+                )
             await asyncio.sleep(delay)
-            delay = min(delay * 2, 10.0)
+            delay = min(delay * 2, 5.0)
 
     async def config(self) -> dict:
         return await self.call("GET", "config")
@@ -200,8 +209,16 @@ class WebSource:
         backoff = self.poll_s
         while len(self.buffer) < n and not self.stopped:
             asked = time.monotonic()
+            # One id per claim, the same in call()'s retries: a claim whose answer was lost
+            # (the web app restarted) is answered again with what it took.
             claimed = await self.api.call(
-                "POST", "claim", {"limit": n - len(self.buffer), "wait_s": self.wait_s}
+                "POST",
+                "claim",
+                {
+                    "limit": n - len(self.buffer),
+                    "wait_s": self.wait_s,
+                    "claim_id": uuid.uuid4().hex,
+                },
             )
             if claimed.get("unrewarded") and self.on_unrewarded is not None:
                 self.on_unrewarded(int(claimed["unrewarded"]))

@@ -189,8 +189,12 @@ def stop_local_cluster(*, data_dir: Path, grace_s: float = 2.0) -> list[int]:
     """
     marker = str(_ray_temp_dir(data_dir))
     # Their children too (the raylet's agents and workers, the dashboard's modules), taken
-    # before any is signalled: an orphan's parent is no longer its parent.
-    pids = _with_descendants([pid for pid in _pids_naming(marker) if pid != os.getpid()])
+    # before any is signalled: an orphan's parent is no longer its parent. And the runs' job
+    # drivers, which a head that died (its worker killed) left behind: they name no temp dir,
+    # but their environment names this head's token.
+    token = f"RAY_AUTH_TOKEN_PATH={_ray_dir(data_dir) / 'auth_token'}"
+    roots = set(_pids_naming(marker)) | set(_pids_with_environment(token))
+    pids = _with_descendants(sorted(roots - {os.getpid(), os.getppid()}))
     groups = take_recorded_groups(inference_pid_dir(data_dir))
     for pid in pids:
         _signal(pid, signal.SIGTERM)
@@ -225,6 +229,24 @@ def _pids_naming(text: str) -> list[int]:
             continue
         if text in arguments:
             pids.append(int(entry.name))
+    return pids
+
+
+def _pids_with_environment(entry: str) -> list[int]:
+    """PIDs of this user's processes started with ``entry`` (``NAME=value``) in their environment."""
+    wanted = entry.encode()
+    pids = []
+    for path in Path("/proc").iterdir():
+        if not path.name.isdigit():
+            continue
+        try:
+            if path.stat().st_uid != os.getuid():
+                continue
+            environment = (path / "environ").read_bytes().split(b"\0")
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        if wanted in environment:
+            pids.append(int(path.name))
     return pids
 
 

@@ -41,12 +41,58 @@ from workers.replicas import InferenceReplica, ray_options
 
 logger = logging.getLogger("steep.job")
 STOP_POLL_S = 2.0
+SERVER_WATCH_S = 2.0  # how often the job checks that its inference servers still run
+SERVER_START_TIMEOUT_S = float(os.environ.get("STEEP_SERVER_START_TIMEOUT", "600"))
+SERVER_MAX_RESTART_FAILURES = 3
 
 
 def _process_died(exc: BaseException) -> bool:
     """An actor's process died under it; not an error in its ``__init__`` (which a restart
     would only repeat: that one fails the run with its message)."""
     return isinstance(exc, ray.exceptions.RayActorError) and not exc.actor_init_failed
+
+
+async def watch_servers(
+    replicas: list, urls: list[str], backend: str, loop: Any, api: InternalAPI, reporter: Any
+) -> None:
+    """Restart an inference server that exited, until the job ends.
+
+    Every ``SERVER_WATCH_S`` each replica is asked whether its server still runs. A dead one
+    leaves the gateway's rotation (unregistered: agents fail over to the other servers, or get
+    503 + Retry-After when it was the only one), is started again on its URL, takes the
+    current policy (``TrainingLoop.resync_server``, between two steps) and is registered
+    again. A server that cannot be restarted ``SERVER_MAX_RESTART_FAILURES`` times running
+    ends the training loop (with its final checkpoint) and fails the run with the reason.
+    """
+    if not replicas:  # a run on a shared pool owns no server: the pool's job watches them
+        await asyncio.Event().wait()
+    failures = [0] * len(replicas)
+    while True:
+        await asyncio.sleep(SERVER_WATCH_S)
+        for i, (replica, url) in enumerate(zip(replicas, urls, strict=True)):
+            code = await replica.exit_code.remote()
+            if code is None:
+                continue
+            await api.unregister_server(url)
+            await reporter.event(
+                "inference", f"Inference server {url} exited ({code}); restarting it."
+            )
+            try:
+                await replica.restart.remote(SERVER_START_TIMEOUT_S)
+                version = await loop.resync_server(url)
+            except Exception as exc:
+                failures[i] += 1
+                logger.exception("restarting %s failed", url)
+                if failures[i] >= SERVER_MAX_RESTART_FAILURES:
+                    raise RuntimeError(
+                        f"Inference server {url} could not be restarted ({failures[i]} tries): {exc}"
+                    ) from exc
+                continue
+            failures[i] = 0
+            await api.register_server(url, backend)
+            await reporter.event(
+                "inference", f"Inference server {url} restarted, serving version {version}."
+            )
 
 
 async def run_job(run_id: str, web_url: str, secret: str) -> str:
@@ -64,6 +110,7 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
     trainer = None
     weight_sync: Any = None
     replicas: list = []
+    keeper: asyncio.Task | None = None  # watch_servers: restarts a server that exited
     urls: list[str] = []
     try:
         info = await api.config()
@@ -128,12 +175,20 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
         # LoRA: each version is loaded as a new adapter, no pause (rl_core/adapter_sync.py).
         # On a shared pool the servers may change between steps: each push takes the pool's.
         refresh, on_change = api.pool_hooks(backend) if config.inference_pool else (None, None)
+        # A server that died is left out of an update: watch_servers restarts and resyncs it.
         weight_sync = (
             AdapterSync(
-                urls, data_dir / "adapters", prefix=run_id, refresh=refresh, on_change=on_change
+                urls,
+                data_dir / "adapters",
+                prefix=run_id,
+                refresh=refresh,
+                on_change=on_change,
+                skip_unreachable=True,
             )
             if config.lora_rank
-            else WeightSync(urls, data_dir / "weights", strategy=config.weight_sync)
+            else WeightSync(
+                urls, data_dir / "weights", strategy=config.weight_sync, skip_unreachable=True
+            )
         )
         loop = TrainingLoop(
             config,
@@ -195,11 +250,18 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
             source.stop()
 
         watcher = asyncio.create_task(watch_for_stop())
+        # The job restarts the servers it owns (a shared pool's job restarts the pool's).
+        # A server that cannot be brought back ends the loop; its error fails the run below.
+        keeper = asyncio.create_task(watch_servers(replicas, urls, backend, loop, api, reporter))
+        keeper.add_done_callback(lambda task: task.cancelled() or loop.stop())
         asyncio.get_running_loop().add_signal_handler(
             signal.SIGTERM, lambda: (loop.stop(), source.stop())
         )
         summary = await loop.run(config.max_steps)
         watcher.cancel()
+        if keeper.done() and not keeper.cancelled() and keeper.exception() is not None:
+            raise keeper.exception()  # type: ignore[misc]
+        keeper.cancel()
         if driver_task is not None:
             driver.stop()
             driver_task.cancel()
@@ -230,6 +292,8 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
             logger.exception("could not report the failure")
         raise
     finally:
+        if keeper is not None:  # before the servers stop: a stopped one is not to be restarted
+            keeper.cancel()
         if weight_sync is not None:  # leave the broadcast group on both sides, close clients
             try:
                 if isinstance(weight_sync, WeightSync):

@@ -50,6 +50,17 @@ class InferenceReplica:
     def url(self) -> str:
         return self.server.url
 
+    def exit_code(self) -> int | None:
+        """None while the server runs, else how it ended (a negative signal number if killed)."""
+        process = self.server.process
+        return None if process is None else process.poll()
+
+    def restart(self, timeout: float) -> None:
+        """Start the server again on the same URL (what every client holds), once it is healthy."""
+        self.server.stop()  # what is left of the old one: its group, its record, its log handle
+        self.server.start()
+        self.server.wait_healthy(timeout=timeout)
+
     def stop(self) -> None:
         self.server.stop()
 

@@ -280,3 +280,53 @@ def test_a_weight_group_binds_the_address_on_the_route_to_its_master(monkeypatch
     finally:
         for group in groups.values():
             group.close()
+
+
+async def test_a_restarted_server_takes_the_current_weights_and_rejoins_the_group(
+    torch_engine_factory: Any, trainer: Any, tmp_path: Path
+):
+    # What the job does when a server exited (workers.ray_job.watch_servers): updates leave
+    # it out meanwhile (skip_unreachable), then it is started again on its URL, with the base
+    # weights, and resynced.
+    engine = torch_engine_factory(weight_version=0)
+    reporter = ListReporter()
+    sync = WeightSync(
+        [engine.url],
+        tmp_path,
+        strategy="distributed",
+        timeout_s=TIMEOUT_S,
+        reporter=reporter,
+        skip_unreachable=True,
+    )
+    client = InferenceClient(engine.url)
+    try:
+        next_version(trainer, seed=40)
+        await sync.push(trainer)  # the group is up, with the old process in it
+        engine.stop()
+        next_version(trainer, seed=42)
+        await asyncio.wait_for(sync.push(trainer), 4 * TIMEOUT_S)  # left out, not an error
+        assert "unreachable" in reporter.events[-1][1]
+        reporter.events.clear()
+        engine.start()
+        engine.wait_healthy(timeout=120)
+        assert await client.get_weight_version() == 0  # the base model again
+
+        await sync.resync(trainer, engine.url)
+
+        assert await client.get_weight_version() == trainer.version
+        result = await client.generate(PROMPT, {"max_new_tokens": 12, "temperature": 0})
+        torch.testing.assert_close(
+            torch.tensor(result.output_logprobs),
+            trainer_logprobs(trainer, PROMPT, result.output_ids),
+            atol=2e-3,
+            rtol=0,
+        )
+        # The next update goes by broadcast again, through a group rebuilt with the new process.
+        next_version(trainer, seed=41)
+        await sync.push(trainer)
+        assert await client.get_weight_version() == trainer.version
+        assert "timing/save_weights" not in sync.last_timing
+        assert reporter.events == []
+    finally:
+        await client.aclose()
+        await sync.aclose(trainer)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import re
 import time
 
@@ -29,9 +30,12 @@ from webapp import observability
 from webapp.gateway import rl
 from webapp.gateway.anthropic_api import anthropic_error, create_message
 from webapp.gateway.completions import Reply, chat_completion
-from webapp.gateway.errors import GatewayError
+from webapp.gateway.errors import GatewayError, database_unavailable
+from webapp.gateway.lane import DB_ERRORS
 from webapp.gateway.responses_api import create_response
 from webapp.middleware import too_large_body
+
+logger = logging.getLogger(__name__)
 
 ROUTE = re.compile(
     r"/agents/([^/]+)/v1/"
@@ -134,7 +138,11 @@ async def _serve(scope, receive, send, name: str, agent_id: str, headers: dict[s
         if body is None:
             reply = _refusal(name, _too_large())
         else:
-            reply = await ENDPOINTS[name](agent_id, headers, body)
+            try:
+                reply = await ENDPOINTS[name](agent_id, headers, body)
+            except DB_ERRORS as exc:  # a read outside the lane (the lane answers its own 503)
+                logger.error("gateway: database unavailable: %r", exc)
+                reply = _refusal(name, Reply.error(database_unavailable()))
     await _send(send, receive, reply, request_id, _secure(scope, headers))
     observability.log_request(scope["method"], scope["path"], reply.status, started)
 

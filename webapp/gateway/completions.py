@@ -33,7 +33,7 @@ from webapp.gateway.chat_request import (
     parse_chat_request,
     storable_text,
 )
-from webapp.gateway.errors import GatewayError, bad_request
+from webapp.gateway.errors import GatewayError, bad_request, database_unavailable
 from webapp.gateway.inference import generate, generate_stream
 from webapp.gateway.lane import LaneError, lane
 from webapp.gateway.prompts import Prompt, continued_choice, extend_prompt, fresh_prompt
@@ -114,9 +114,7 @@ async def in_lane(operation, *, durable: bool = True):
     try:
         return await lane().run(operation, durable=durable)
     except LaneError as exc:
-        raise GatewayError(
-            503, f"{exc} Retry shortly.", code="database_unavailable", retry_after=1
-        ) from None
+        raise database_unavailable(str(exc)) from None
 
 
 async def chat_completion(

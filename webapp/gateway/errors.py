@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from django.http import JsonResponse
 
+from webapp.middleware import DATABASE_RETRY_AFTER_S, DATABASE_UNAVAILABLE
+
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -55,6 +57,14 @@ class GatewayError(Exception):
     def response(self) -> JsonResponse:
         status, body, headers = self.payload()
         return JsonResponse(body, status=status, headers=headers)
+
+
+def database_unavailable(detail: str = "") -> GatewayError:
+    """503 + Retry-After: the database could not take the request (restarting, unreachable)."""
+    message = f"{detail} Retry shortly." if detail else DATABASE_UNAVAILABLE
+    return GatewayError(
+        503, message, code="database_unavailable", retry_after=DATABASE_RETRY_AFTER_S
+    )
 
 
 def bad_request(

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass
 
 from asgiref.sync import sync_to_async
+from django.db import connections
 
 from rl_core.inference.client import (
     GenerateResult,
@@ -18,8 +19,24 @@ from rl_core.inference.client import (
 from webapp.gateway import selectors
 from webapp.gateway.caches import CACHES, SERVERS_TTL_S
 from webapp.gateway.errors import GatewayError
+from webapp.gateway.lane import DB_ERRORS
 from webapp.gateway.services import inference_server_mark_down, inference_server_mark_up
 from webapp.pools import limits as pool_limits
+
+
+def _in_thread(function):
+    """``function`` run in a worker thread. A database error closes that thread's connection:
+    no request cycle closes it there, so after a database restart it would stay broken and
+    every later call would fail; the next call reconnects instead."""
+
+    def call(**kwargs):
+        try:
+            return function(**kwargs)
+        except DB_ERRORS:
+            connections.close_all()
+            raise
+
+    return sync_to_async(call, thread_sensitive=False)
 
 
 def order_candidates(servers: list[tuple[str, bool]], sticky: str) -> list[tuple[str, bool]]:
@@ -42,9 +59,7 @@ async def _candidates(run_id, sticky: str) -> list[tuple[str, bool]]:
 
 
 async def _read_servers(run_id) -> list[tuple[str, bool]]:
-    servers = await sync_to_async(selectors.server_candidates, thread_sensitive=False)(
-        run_id=run_id
-    )
+    servers = await _in_thread(selectors.server_candidates)(run_id=run_id)
     if servers:  # an empty list is not cached: a server attached now is used at once
         CACHES.servers[run_id] = (time.monotonic() + SERVERS_TTL_S, servers)
     return servers
@@ -52,7 +67,7 @@ async def _read_servers(run_id) -> list[tuple[str, bool]]:
 
 async def _mark_down(run_id, url: str) -> None:
     CACHES.servers.pop(run_id, None)
-    await sync_to_async(inference_server_mark_down, thread_sensitive=False)(run_id=run_id, url=url)
+    await _in_thread(inference_server_mark_down)(run_id=run_id, url=url)
 
 
 def _client(url: str) -> PooledInferenceClient:
@@ -311,9 +326,7 @@ async def _back_in_rotation(run_id, url: str, healthy: bool) -> None:
     """A server that answered after its back-off is in rotation again."""
     if not healthy:
         CACHES.servers.pop(run_id, None)
-        await sync_to_async(inference_server_mark_up, thread_sensitive=False)(
-            run_id=run_id, url=url
-        )
+        await _in_thread(inference_server_mark_up)(run_id=run_id, url=url)
 
 
 def _no_server() -> GatewayError:

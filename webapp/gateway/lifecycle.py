@@ -294,8 +294,13 @@ def _move_many(
     return moved
 
 
-def claim(cursor, *, run_id, limit: int) -> list[uuid.UUID]:
+def claim(cursor, *, run_id, limit: int, token: str = "") -> list[uuid.UUID]:
     """Claim up to ``limit`` ready sessions of the run for the trainer, oldest first.
+
+    ``token`` (the job's id for this claim, kept across its retries): when sessions are still
+    claimed under it, the claim was made and its answer lost (the web process died after the
+    commit), and they are the answer again; without this they would stay claimed, untrained,
+    until the job ended.
 
     Concurrent claimers never get the same session: PostgreSQL skips rows another
     claimer has locked; SQLite serialises write transactions. A run that has ended
@@ -311,6 +316,15 @@ def claim(cursor, *, run_id, limit: int) -> list[uuid.UUID]:
     row = cursor.fetchone()
     if row is None or row[0] in UNCLAIMABLE_RUN_STATUSES:
         return []
+    if token:
+        cursor.execute(
+            f"SELECT id FROM {_SESSIONS} WHERE run_id = %s AND trajectory = %s"
+            " AND claim_token = %s ORDER BY ended_at, created_at",
+            [admission.run_pk(cursor, run_id), T.CLAIMED, token],
+        )
+        replay = [sql.as_uuid(row[0]) for row in cursor.fetchall()]
+        if replay:
+            return replay
     cursor.execute(
         f"SELECT id FROM {_SESSIONS} WHERE run_id = %s AND trajectory = %s"
         f" ORDER BY ended_at, created_at LIMIT %s{sql.for_update(cursor, skip_locked=True)}",
@@ -324,7 +338,7 @@ def claim(cursor, *, run_id, limit: int) -> list[uuid.UUID]:
             session_ids=ids,
             current=T.READY,
             target=T.CLAIMED,
-            also={"claimed_at": timezone.now()},
+            also={"claimed_at": timezone.now(), "claim_token": token[:64]},
         )
     return ids
 

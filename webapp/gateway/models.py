@@ -78,6 +78,9 @@ class Session(models.Model):
     last_activity_at = models.DateTimeField(default=timezone.now)
     ended_at = models.DateTimeField(null=True, blank=True)
     claimed_at = models.DateTimeField(null=True, blank=True)
+    # The job's id for the claim that took it: a retried claim (its answer was lost) gets the
+    # same sessions back instead of stranding them (lifecycle.claim).
+    claim_token = models.CharField(max_length=64, blank=True, default="", db_default="")
     # The policy version the trajectory's step produced (step N produces version N); null
     # until trained, and again after a resume from a checkpoint older than that step.
     trained_version = models.IntegerField(null=True, blank=True)

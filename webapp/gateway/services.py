@@ -37,11 +37,12 @@ def sessions_expire_idle(*, now=None) -> int:
     return count
 
 
-def trajectories_claim(*, run: Run, limit: int) -> list[Session]:
+def trajectories_claim(*, run: Run, limit: int, token: str = "") -> list[Session]:
     """Claim up to ``limit`` ready sessions of ``run`` for the trainer, oldest first
-    (``lifecycle.claim``: concurrent claimers never get the same session)."""
+    (``lifecycle.claim``: concurrent claimers never get the same session; a retried claim,
+    same ``token``, gets what it claimed)."""
     with transaction.atomic(), connection.cursor() as cursor:
-        ids = lifecycle.claim(cursor, run_id=run.pk, limit=limit)
+        ids = lifecycle.claim(cursor, run_id=run.pk, limit=limit, token=token)
     sessions = Session.objects.in_bulk(ids)
     return [sessions[session_id] for session_id in ids]
 

@@ -379,13 +379,20 @@ def checkpoints(request, run: Run):
 
 @internal("POST")
 async def claim(request, run: Run):
-    """Claim up to ``limit`` ready sessions; with ``wait_s``, wait that long for the first one."""
+    """Claim up to ``limit`` ready sessions; with ``wait_s``, wait that long for the first one.
+    ``claim_id`` (optional): the job's id for this claim, the same in its retries, which then
+    get the sessions it claimed rather than new ones."""
     data = _body(request)
     limit = _int(data, "limit", 1)
     if not 1 <= limit <= 10_000:
         raise BadRequest("'limit' must be between 1 and 10000")
     wait_s = _wait_s(data.get("wait_s", 0))
-    sessions = await _long_poll(lambda: jobs.job_claim_trajectories(run=run, limit=limit), wait_s)
+    token = data.get("claim_id", "")
+    if not isinstance(token, str) or len(token) > 64:
+        raise BadRequest("'claim_id' must be a string of at most 64 characters")
+    sessions = await _long_poll(
+        lambda: jobs.job_claim_trajectories(run=run, limit=limit, token=token), wait_s
+    )
     # Submitted episodes that will never be rewarded (unscored, dropped), told once.
     unrewarded = await sync_to_async(jobs.job_take_unrewarded)(run=run)
     return JsonResponse({"sessions": sessions, "unrewarded": unrewarded})

@@ -149,9 +149,9 @@ def job_report_checkpoint(
     return checkpoint
 
 
-def job_claim_trajectories(*, run: Run, limit: int) -> list[dict]:
+def job_claim_trajectories(*, run: Run, limit: int, token: str = "") -> list[dict]:
     out = []
-    for session in trajectories_claim(run=run, limit=limit):
+    for session in trajectories_claim(run=run, limit=limit, token=token):
         trajectories = session_trajectories(session)
         out.append(
             {"session_id": str(session.id), "trajectories": [t.to_dict() for t in trajectories]}
@@ -244,11 +244,18 @@ def job_submit_episodes(*, run: Run, episodes: list[dict]) -> list[str]:
     ``finish_reason``, ``messages``, ``text``, optional ``group_id``, ``task_id``, ``metadata``.
     A ``reward`` of None (a judge or human run) records the episode unrewarded: the worker's
     ``rewards.judge`` task (``webapp.rewards``) scores it, or a person does.
+
+    Idempotent for episodes with a ``group_id``: a session's id is derived from the run, the
+    group and the episode's place in it, so the job's retry of a submission whose answer was
+    lost (the web process restarted after the commit) records nothing twice.
     """
     now = timezone.now()
     sessions, interactions = [], []
-    for episode in episodes:
-        session_id = uuid.uuid4()
+    ids = [_episode_session_id(run, episode, index) for index, episode in enumerate(episodes)]
+    recorded = set(Session.objects.filter(pk__in=ids).values_list("pk", flat=True))
+    for session_id, episode in zip(ids, episodes, strict=True):
+        if session_id in recorded:
+            continue
         sessions.append(
             {
                 "id": session_id,
@@ -316,7 +323,12 @@ def job_submit_episodes(*, run: Run, episodes: list[dict]) -> list[str]:
             if unscored:
                 lifecycle.insert_finished(cursor, run_id=run.pk, rows=unscored, rewarded=False)
         Interaction.objects.bulk_create(interactions)
-    return [str(row["id"]) for row in sessions]
+    return [str(session_id) for session_id in ids]
+
+
+def _episode_session_id(run: Run, episode: dict, index: int) -> uuid.UUID:
+    group = str(episode.get("group_id") or "")
+    return uuid.uuid5(run.pk, f"{group}/{index}") if group else uuid.uuid4()
 
 
 def job_event(*, run: Run, kind: str, message: str) -> None:
