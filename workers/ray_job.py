@@ -47,9 +47,22 @@ SERVER_MAX_RESTART_FAILURES = 3
 
 
 def _process_died(exc: BaseException) -> bool:
-    """An actor's process died under it; not an error in its ``__init__`` (which a restart
-    would only repeat: that one fails the run with its message)."""
-    return isinstance(exc, ray.exceptions.RayActorError) and not exc.actor_init_failed
+    """A process under the job died, or the Ray cluster it ran on did: a crash, which a
+    restart recovers from. Not an error in an actor's ``__init__`` (a restart would only repeat
+    it: that one fails the run with its message).
+
+    Ray wraps what it raises, so the whole chain is read. When the local Ray head dies with
+    the worker that started it (the embedded default), the job's driver outlives it and its next
+    call reaches the head started after it: ``AuthenticationError: WrongClusterID``."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, ray.exceptions.RayActorError) and not exc.actor_init_failed:
+            return True
+        if isinstance(exc, ray.exceptions.AuthenticationError) and "WrongClusterID" in str(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    return False
 
 
 async def watch_servers(
@@ -278,7 +291,9 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
             logger.exception("run %s: a process of its job died", run_id)
             with contextlib.suppress(Exception):
                 await WebReporter(api).event(
-                    "crash", "A trainer or inference process of the job died; the run will restart."
+                    "crash",
+                    "A trainer or inference process of the job, or its Ray cluster, died; "
+                    "the run will restart.",
                 )
             raise
         logger.exception("run %s failed", run_id)
