@@ -59,3 +59,37 @@ def test_the_review_queue_rates_from_the_keyboard(logged_in, live_server, projec
     assert {s.trajectory for s in Session.objects.filter(pk__in=[w.pk for w in waiting])} == {
         T.READY
     }
+
+
+def test_an_open_sessions_page_stops_refreshing_while_a_comment_is_written(
+    logged_in, live_server, project, make_run, make_agent, make_session
+):
+    """An open session's page refreshes itself every 3 s; while a score/comment form is open it
+    waits, so what is being typed is not swapped away. The page's clock is Playwright's:
+    the refreshes are counted, not timed."""
+    agent = make_agent(project, run=make_run(project))
+    session = make_session(
+        agent,
+        [{"messages": [{"role": "user", "content": "2+2?"}], "answer": "4"}],
+        status=Session.Status.OPEN,
+    )
+    page = logged_in
+    page.clock.install()
+    page.goto(f"{live_server.url}/projects/{project.id}/sessions/{session.id}/")
+    page.evaluate(
+        "window.polls = 0; document.body.addEventListener('htmx:beforeRequest', () => window.polls++)"
+    )
+    page.clock.run_for(3500)
+    page.wait_for_function("window.polls >= 1")  # it refreshes while nobody writes
+
+    page.click("#session-feedback summary")
+    page.fill("#session-feedback input[name=comment]", "half right")
+    polls = page.evaluate("window.polls")
+    page.clock.run_for(10_000)
+    assert page.evaluate("window.polls") == polls
+    assert page.input_value("#session-feedback input[name=comment]") == "half right"
+
+    page.click("#session-feedback details button[type=submit]")
+    page.wait_for_function("!document.querySelector('#session-feedback details[open]')")
+    session.refresh_from_db()
+    assert session.feedback.get().comment == "half right"
