@@ -28,6 +28,7 @@ from typing import Any
 import orjson
 from django.db.models import Prefetch, Q
 
+from webapp.exports.zipstream import ChunkSink
 from webapp.gateway.models import Interaction, Session
 from webapp.gateway.selectors import session_trajectories
 from webapp.runs.models import Run
@@ -162,35 +163,6 @@ def arrow_schema():
     return pa.schema([(name, simple[kind]) for name, kind in COLUMNS])
 
 
-class _Drain:
-    """A write-only file that hands what was written on: Parquet streamed as it is encoded."""
-
-    closed = False
-
-    def __init__(self) -> None:
-        self.buffer = bytearray()
-        self.position = 0
-
-    def write(self, data) -> int:
-        self.buffer += data
-        self.position += len(data)
-        return len(data)
-
-    def tell(self) -> int:
-        return self.position
-
-    def flush(self) -> None:
-        pass
-
-    def close(self) -> None:
-        self.closed = True
-
-    def take(self) -> bytes:
-        data = bytes(self.buffer)
-        self.buffer.clear()
-        return data
-
-
 def parquet_chunks(
     rows: Iterator[dict], rows_per_group: int = PARQUET_ROWS_PER_GROUP
 ) -> Iterator[bytes]:
@@ -199,7 +171,7 @@ def parquet_chunks(
     import pyarrow.parquet as pq
 
     schema = arrow_schema()
-    sink = _Drain()
+    sink = ChunkSink()
     writer = pq.ParquetWriter(pa.PythonFile(sink, mode="w"), schema)
     batch: list[dict] = []
 

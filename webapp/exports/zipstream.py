@@ -9,9 +9,12 @@ from pathlib import Path
 CHUNK_BYTES = 1024 * 1024
 
 
-class _Unseekable:
-    """Where the archive is written: handed on chunk by chunk (zipfile then writes data
-    descriptors after each member instead of seeking back to its header)."""
+class ChunkSink:
+    """A write-only, unseekable file whose bytes are handed on chunk by chunk (``take``): what
+    zipfile writes an archive into (it then writes data descriptors after each member instead
+    of seeking back to its header), and what pyarrow writes a Parquet file into."""
+
+    closed = False
 
     def __init__(self) -> None:
         self.buffer = bytearray()
@@ -28,6 +31,9 @@ class _Unseekable:
     def flush(self) -> None:
         pass
 
+    def close(self) -> None:
+        self.closed = True
+
     def take(self) -> bytes:
         data = bytes(self.buffer)
         self.buffer.clear()
@@ -41,7 +47,7 @@ def folder_files(folder: Path) -> list[Path]:
 def zip_folder(folder: Path, root: str) -> Iterator[bytes]:
     """The files under ``folder`` as a zip whose entries sit under ``root/``, stored (model
     weights do not compress), at most ``CHUNK_BYTES`` read at a time."""
-    sink = _Unseekable()
+    sink = ChunkSink()
     with zipfile.ZipFile(sink, mode="w", compression=zipfile.ZIP_STORED) as archive:  # type: ignore[arg-type]
         for path in folder_files(folder):
             info = zipfile.ZipInfo.from_file(path, f"{root}/{path.relative_to(folder).as_posix()}")
