@@ -172,7 +172,9 @@ def test_a_judge_outage_delays_scoring_and_loses_nothing(
     if outage == "unreachable":
         spec = dict(run.config["reward"], base_url=judge_server.base_url)
         Run.objects.filter(pk=run.pk).update(config=run.config | {"reward": spec})
-    assert judge_due(now=now + timedelta(seconds=11))["scored"] == 2
+    # Due again once the backoff, counted from when each call failed, has passed.
+    due = max(r.next_attempt_at for r in RewardRequest.objects.filter(session_id__in=ids))
+    assert judge_due(now=due + timedelta(seconds=1))["scored"] == 2
     assert set(Session.objects.filter(pk__in=ids).values_list("trajectory", flat=True)) == {T.READY}
     assert reward_summary(run=run)["outages"] == 2  # one failed call per session
 
