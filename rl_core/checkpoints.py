@@ -1,8 +1,9 @@
 """Loop checkpoints: the trainer's state plus the loop's position, and finding the latest one.
 
 A checkpoint is a directory ``step_<step>`` holding whatever ``trainer.save_checkpoint``
-writes and, written last, ``loop_state.json`` (``{"step", "version"}``): its presence marks
-the checkpoint complete, so one interrupted mid-write is never resumed from.
+writes and, written last, ``loop_state.json`` (``{"step", "version", "counters"}``; counters:
+the staleness controller's running totals at that step): its presence marks the checkpoint
+complete, so one interrupted mid-write is never resumed from.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import json
 import logging
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -26,6 +27,7 @@ class CheckpointInfo:
     path: Path
     step: int
     version: int
+    counters: dict[str, int] = field(default_factory=dict)  # the controller's, at that step
 
 
 def latest_checkpoint(checkpoint_dir: str | Path | None) -> CheckpointInfo | None:
@@ -36,8 +38,11 @@ def latest_checkpoint(checkpoint_dir: str | Path | None) -> CheckpointInfo | Non
     for state_file in Path(checkpoint_dir).glob(f"step_*/{LOOP_STATE}"):
         try:
             state = json.loads(state_file.read_text())
+            counters = {str(k): int(v) for k, v in (state.get("counters") or {}).items()}
             found.append(
-                CheckpointInfo(state_file.parent, int(state["step"]), int(state["version"]))
+                CheckpointInfo(
+                    state_file.parent, int(state["step"]), int(state["version"]), counters
+                )
             )
         except (OSError, ValueError, KeyError):
             logger.warning("ignoring unreadable checkpoint state %s", state_file)
@@ -51,6 +56,7 @@ def write_checkpoint(
     version: int,
     *,
     keep: int | None = None,
+    counters: dict[str, int] | None = None,
 ) -> tuple[Path, int]:
     """``save(path)`` the trainer's state into ``checkpoint_dir/step_<step>``, then the loop state.
 
@@ -59,7 +65,8 @@ def write_checkpoint(
     """
     path = checkpoint_dir / f"step_{step:06d}"
     save(str(path))
-    (path / LOOP_STATE).write_text(json.dumps({"step": step, "version": version}))
+    state = {"step": step, "version": version, "counters": counters or {}}
+    (path / LOOP_STATE).write_text(json.dumps(state))
     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
     if keep:
         complete = sorted(checkpoint_dir.glob(f"step_*/{LOOP_STATE}"), key=lambda p: p.parent.name)

@@ -233,6 +233,12 @@ class RunConfig:
         " lower it for LoRA runs, whose checkpoints are the adapter alone (docs/benchmarks.md).",
         min=1,
     )
+    async_checkpoints: bool = _f(
+        True,
+        "Write checkpoints in the background: a step waits only while the trainer's state is"
+        " copied (into memory as large as the checkpoint), not for the disk. A checkpoint counts"
+        " for a resume once it is complete. A trainer on several workers saves in step.",
+    )
     seed: int = _f(0, "Random seed for sampling and initialisation.", min=0)
     # Evaluation (rl_core.evals, rl_core.evaluate)
     eval_every: int = _f(

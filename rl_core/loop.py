@@ -36,7 +36,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -252,6 +252,8 @@ class TrainingLoop:
         self.step = 0
         self.last_checkpoint: str | None = None
         self._checkpoint_step: int | None = None
+        # An asynchronous checkpoint being written while training goes on (one at a time).
+        self._writing: asyncio.Task[None] | None = None
         self._prepared = False
         self._resumed: CheckpointInfo | None = None  # restored, not yet pushed to the servers
         self._stop_requested = threading.Event()
@@ -301,6 +303,7 @@ class TrainingLoop:
         self._checkpoint_step = info.step
         if self.controller is not None:
             self.controller.on_resume(info.version)
+            self.controller.restore_counters(info.counters)
         self._resumed = info
         logger.info("resumed from %s at step %d, version %d", info.path, info.step, info.version)
         return info
@@ -345,13 +348,17 @@ class TrainingLoop:
                 if dropped is None:  # stopped while waiting, or the source ran dry
                     break
                 dropped_total += dropped
+            await self._checkpoint_written()
         except Exception as exc:
             await self.reporter.event(
                 "error", f"Training failed at step {self.step + 1}: {type(exc).__name__}: {exc}"
             )
+            with contextlib.suppress(Exception):  # what was saved before the failure still lands
+                await self._checkpoint_written()
             raise
         if self.step > 0 and self._checkpoint_step != self.step:
             await self._checkpoint()
+            await self._checkpoint_written()
         stopped = self.step < max_steps
         await self.reporter.event(
             "stopped" if stopped else "completed",
@@ -386,6 +393,8 @@ class TrainingLoop:
     async def _one_step(self) -> int | None:
         """Collect a batch and train on it; ``None`` when the loop should end, else the drop count."""
         cfg, phases = self.cfg, _Phases()
+        if self._writing is not None and self._writing.done():
+            await self._checkpoint_written()  # a failed write fails the run here, not later
         kept: list[tuple[str, Trajectory]] = []
         dropped_keys: list[str] = []
         masked_tokens = 0
@@ -478,17 +487,51 @@ class TrainingLoop:
         return len(dropped_keys)
 
     async def _checkpoint(self) -> None:
+        """Save this step. Asynchronous where the trainer can copy its state
+        (``checkpoint_snapshot``, ``async_checkpoints``): the step waits for the copy, and the
+        disk write goes on beside the next steps; the checkpoint is reported (and counts for a
+        resume, ``rl_core.checkpoints``) only once it is complete."""
         if self.checkpoint_dir is None:
             return
+        await self._checkpoint_written()  # one write at a time, in step order
         step, version = self.step, self.version
+        counters = self.controller.counters() if self.controller is not None else None
+        snapshot = getattr(self.trainer, "checkpoint_snapshot", None)
+        started = time.perf_counter()
+        save = (
+            await asyncio.to_thread(snapshot)
+            if self.cfg.async_checkpoints and snapshot is not None
+            else None
+        )
+        if save is None:
+            await self._write_checkpoint(self.trainer.save_checkpoint, step, version, counters)
+            return
+        logger.info("checkpoint of step %d copied in %.2fs", step, time.perf_counter() - started)
+        self._writing = asyncio.create_task(self._write_checkpoint(save, step, version, counters))
+
+    async def _checkpoint_written(self) -> None:
+        """Wait for the asynchronous checkpoint being written, if any (raises if it failed)."""
+        writing, self._writing = self._writing, None
+        if writing is not None:
+            await writing
+
+    async def _write_checkpoint(
+        self,
+        save: Callable[[str], object],
+        step: int,
+        version: int,
+        counters: dict[str, int] | None,
+    ) -> None:
+        assert self.checkpoint_dir is not None
         started = time.perf_counter()
         path, size = await asyncio.to_thread(
             write_checkpoint,
-            self.trainer.save_checkpoint,
+            save,
             self.checkpoint_dir,
             step,
             version,
             keep=self.keep_checkpoints,
+            counters=counters,
         )
         self.last_checkpoint, self._checkpoint_step = str(path), step
         await self.reporter.checkpoint(version, step, str(path), size)

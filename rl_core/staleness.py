@@ -149,11 +149,25 @@ class StalenessController:
                 self.accepted += (version - self.version) * self.batch_size
                 self.version = version
 
-    def restore(self, *, version: int, accepted: int) -> None:
+    def restore(self, *, version: int, accepted: int, dropped: int | None = None) -> None:
         """Resume with the counts the web app keeps (a Ray job after a restart): ``accepted``
-        trajectories ready, claimed or trained in the surviving lineage, none running."""
+        trajectories ready, claimed or trained in the surviving lineage, none running;
+        ``dropped``: the run's trajectories dropped as stale so far (else kept as restored)."""
         with self._lock:
             self.version, self.accepted, self.running = version, accepted, 0
+            if dropped is not None:
+                self.dropped = dropped
+
+    def counters(self) -> dict[str, int]:
+        """The running totals a checkpoint keeps (``restore_counters`` takes them back), so a
+        resumed run's ``staleness/rejected`` and ``staleness/dropped_total`` go on from there."""
+        with self._lock:
+            return {"rejected": self.rejected, "dropped": self.dropped}
+
+    def restore_counters(self, counters: dict[str, int]) -> None:
+        with self._lock:
+            self.rejected = int(counters.get("rejected", self.rejected))
+            self.dropped = int(counters.get("dropped", self.dropped))
 
     def on_version(self, version: int) -> None:
         """The trainer published ``version``; capacity grows by ``batch_size`` per version."""

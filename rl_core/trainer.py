@@ -24,7 +24,7 @@ import os
 import random
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -385,14 +385,30 @@ class PPOTrainer:
         only), tokenizer, optimizer (keyed by parameter name, so any number of workers can
         resume it), LR schedule, policy version and RNG states. Rank 0 writes; every rank
         must call it."""
+        return self._save_state(Path(path), self._checkpoint_state(copy=False))
+
+    def checkpoint_snapshot(self) -> Callable[[str], str] | None:
+        """What ``save_checkpoint`` writes, copied now, between two steps; the returned function
+        writes the copy to a path later, from any thread, while training goes on (an
+        asynchronous checkpoint: the loop waits for the copy, not for the disk). ``None`` for
+        a distributed trainer: its gather and barrier are collectives, so it saves in step."""
+        if self.distributed:
+            return None
+        state = self._checkpoint_state(copy=True)
+        return lambda path: self._save_state(Path(path), state)
+
+    def _checkpoint_state(self, *, copy: bool) -> dict[str, Any]:
+        # ``copy``: tensors detached from the live model and optimizer, which the next step
+        # updates in place (a checkpoint written later must hold this step's values).
+        take = _copied if copy else (lambda value: value)
         extra = {
             "version": self.version,
-            "optimizer": (
+            "optimizer": take(
                 full_optimizer_state(self.model, self.optimizer)
                 if self.fsdp
                 else optimizer_state_by_name(self.optimizer.state_dict(), self._param_names())
             ),
-            "scheduler": self.scheduler.state_dict(),
+            "scheduler": take(self.scheduler.state_dict()),
             "rng": {
                 "torch": torch.get_rng_state(),
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
@@ -401,10 +417,20 @@ class PPOTrainer:
             "config": self.cfg.to_dict(),
         }
         if self.lora:
-            adapter = full_model_state(self.model, trainable_only=True) if self.fsdp else None
-            return self._save(Path(path), None, torch.float32, extra=extra, adapter=adapter)
+            trainable = set(self._param_names())
+            adapter = (
+                full_model_state(self.model, trainable_only=True)
+                if self.fsdp
+                else take({k: v for k, v in self.model.state_dict().items() if k in trainable})
+            )
+            return {"state": None, "adapter": adapter, "extra": extra}
         state = {k: v.detach() for k, v in self._model_state().items()}
-        return self._save(Path(path), state, torch.float32, extra=extra)
+        return {"state": take(state), "adapter": None, "extra": extra}
+
+    def _save_state(self, path: Path, state: dict[str, Any]) -> str:
+        return self._save(
+            path, state["state"], torch.float32, extra=state["extra"], adapter=state["adapter"]
+        )
 
     def _param_names(self) -> list[str]:
         # The optimizer's parameters (self.params), in its order.
@@ -545,6 +571,18 @@ def _all_reduce_bucket(grads: list[torch.Tensor]) -> None:
     dist.all_reduce(flat)
     for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
         g.copy_(part.view_as(g))
+
+
+def _copied(value: Any) -> Any:
+    """``value`` with every tensor in it cloned (dicts, lists and tuples walked), on the CPU."""
+    if isinstance(value, torch.Tensor):
+        tensor = value.detach()  # (clone is the fast copy on the CPU; .to from a GPU copies)
+        return tensor.clone() if tensor.device.type == "cpu" else tensor.to("cpu")
+    if isinstance(value, dict):
+        return {k: _copied(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_copied(v) for v in value)
+    return value
 
 
 def _as_random_state(state: Any) -> tuple:

@@ -116,6 +116,56 @@ def test_two_trainer_actors_train_save_and_resume(local_ray, tiny_model_dir, tmp
     assert (tmp_path / "ckpt" / "trainer_state.pt").exists()
 
 
+def test_one_trainer_actor_writes_a_checkpoint_snapshot_beside_its_next_step(
+    local_ray, tiny_model_dir, tmp_path
+):
+    # The loop's asynchronous checkpoint through Ray: the worker copies its state between two
+    # steps, and its checkpoint thread writes the copy while the next step trains. The
+    # checkpoint holds the step it was taken at.
+    from concurrent.futures import ThreadPoolExecutor
+
+    from workers.trainer_group import TrainerGroup
+
+    group = TrainerGroup(
+        _config(tiny_model_dir, train_workers=1),
+        bundle={"CPU": 1.0},
+        placement_timeout_s=120,
+        env={"STEEP_TORCH_THREADS": "1"},
+    )
+    try:
+        batch = _batch()
+        group.train_step(batch)
+        group.save_weights(str(tmp_path / "w1"))
+        write = group.checkpoint_snapshot()
+        assert write is not None
+        with ThreadPoolExecutor(1) as pool:  # as the loop does: the write on its own thread
+            written = pool.submit(write, str(tmp_path / "ckpt"))
+            group.train_step(batch)
+            assert written.result(timeout=120) == str(tmp_path / "ckpt")
+        group.load_checkpoint(str(tmp_path / "ckpt"))
+        assert group.version == 1
+        group.save_weights(str(tmp_path / "w1-again"))
+    finally:
+        group.close()
+    w1, again = _weights(tmp_path / "w1"), _weights(tmp_path / "w1-again")
+    assert all(torch.equal(w1[k], again[k]) for k in w1), "the snapshot holds step 1"
+
+
+def test_two_trainer_actors_save_their_checkpoints_in_step(local_ray, tiny_model_dir):
+    from workers.trainer_group import TrainerGroup
+
+    group = TrainerGroup(
+        _config(tiny_model_dir),
+        bundle={"CPU": 1.0},
+        placement_timeout_s=120,
+        env={"STEEP_TORCH_THREADS": "1"},
+    )
+    try:
+        assert group.checkpoint_snapshot() is None  # a sharded save is a collective
+    finally:
+        group.close()
+
+
 def test_trainer_workers_the_cluster_cannot_place_fail_with_the_numbers(local_ray, tiny_model_dir):
     from ray.util import placement_group_table
 

@@ -140,7 +140,7 @@ class InternalAPI:
 
     async def resume(self, *, step: int, version: int) -> dict:
         """The job restored ``step``/``version`` (0/0: none): the web app rewinds the run to it
-        and answers ``{"released", "rewound", "accepted", "rows_used", "message"}``."""
+        and answers ``{"released", "rewound", "accepted", "dropped", "rows_used", "message"}``."""
         return await self.call("POST", "resume", {"step": step, "version": version})
 
     async def watch_status(self, unchanged: str, wait_s: float = LONG_POLL_S) -> str:

@@ -218,7 +218,9 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
         # ready to train again; the web app's counters are the truth the controller resumes from.
         resumed = await api.resume(step=loop.step, version=loop.version)
         if controller is not None:
-            controller.restore(version=loop.version, accepted=resumed["accepted"])
+            controller.restore(
+                version=loop.version, accepted=resumed["accepted"], dropped=resumed["dropped"]
+            )
         if config.init_checkpoint and loop.step == 0:
             # The servers started from base_model; before serving, they take the weights the
             # trainer started from (another run's checkpoint), in base_model's dtype.

@@ -27,7 +27,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
@@ -46,7 +46,9 @@ logger = logging.getLogger(__name__)
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)
 
 
-@ray.remote
+# The "checkpoint" group has its own thread: a snapshot's disk write runs beside the next
+# train_step, while every other call still runs one at a time (Ray's concurrency groups).
+@ray.remote(concurrency_groups={"checkpoint": 1})
 class TrainerWorker:
     """One trainer process: rank ``rank`` of ``world_size``."""
 
@@ -54,6 +56,7 @@ class TrainerWorker:
         os.environ.update(env)
         self.rank, self.world_size = rank, world_size
         self.trainer: Any = None
+        self._snapshot: Any = None  # a checkpoint copied, waiting to be written
 
     def rendezvous(self) -> tuple[str, int]:
         """Where the others find rank 0: this node's IP and a port free on it now."""
@@ -95,6 +98,19 @@ class TrainerWorker:
 
     def save_checkpoint(self, path: str) -> str:
         return self.trainer.save_checkpoint(path)
+
+    def checkpoint_snapshot(self) -> bool:
+        """Copy the state a checkpoint holds (``PPOTrainer.checkpoint_snapshot``); False where
+        the trainer saves in step only (several workers)."""
+        self._snapshot = self.trainer.checkpoint_snapshot()
+        return self._snapshot is not None
+
+    @ray.method(concurrency_group="checkpoint")
+    def write_checkpoint_snapshot(self, path: str) -> str:
+        write, self._snapshot = self._snapshot, None
+        if write is None:
+            raise RuntimeError("no checkpoint snapshot to write")
+        return write(path)
 
     def load_checkpoint(self, path: str) -> int:
         self.trainer.load_checkpoint(path)
@@ -208,6 +224,15 @@ class TrainerGroup:
 
     def save_checkpoint(self, path: str) -> str:
         return self._call("save_checkpoint", str(path))
+
+    def checkpoint_snapshot(self) -> Callable[[str], str] | None:
+        """The loop's asynchronous checkpoint: the workers copy their state now; the returned
+        function has rank 0 write it in its checkpoint thread while the next steps train.
+        ``None`` above one worker (a sharded save is a collective: it saves in step)."""
+        if not self._call("checkpoint_snapshot"):
+            return None
+        writer = self._rank0("write_checkpoint_snapshot")
+        return lambda path: ray.get(writer.write_checkpoint_snapshot.remote(str(path)))
 
     def load_checkpoint(self, path: str) -> None:
         self.version = self._call("load_checkpoint", str(path))

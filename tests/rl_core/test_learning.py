@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -154,6 +155,80 @@ async def test_stop_while_waiting_for_a_batch_ends_with_a_final_checkpoint(tmp_p
     assert info is not None and (info.step, info.version) == (1, 1)
 
 
+class SlowDiskTrainer(FakeTrainer):
+    """Copies its state for an asynchronous checkpoint; each write waits for ``disk`` to
+    let it through (a slow disk), or fails when ``fail`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.disk = threading.Semaphore(0)
+        self.fail = False
+        self.written: list[int] = []
+
+    def checkpoint_snapshot(self):
+        version = self.version  # the copy: what the write will hold, whatever trains meanwhile
+
+        def write(path: str) -> str:
+            assert self.disk.acquire(timeout=10), "the test never let the write through"
+            if self.fail:
+                raise OSError("No space left on device")
+            Path(path).mkdir(parents=True, exist_ok=True)
+            (Path(path) / "state.json").write_text(json.dumps({"version": version}))
+            self.written.append(version)
+            return path
+
+        return write
+
+
+async def test_training_goes_on_while_a_checkpoint_is_written_and_it_counts_once_complete(
+    tmp_path,
+):
+    cfg = _cfg(batch_size=1, group_size=1, save_every=2, max_staleness=8)
+    source, reporter, trainer = QueueSource(), ListReporter(), SlowDiskTrainer()
+    for i in range(6):
+        await source.put(f"k{i}", _traj(0))
+    loop = TrainingLoop(cfg, trainer, source, None, reporter, None, tmp_path)
+    task = asyncio.create_task(loop.run(max_steps=4))
+    while loop.step < 3:  # step 2's checkpoint is still on its way to the disk
+        await asyncio.sleep(0.01)
+    assert latest_checkpoint(tmp_path) is None and reporter.checkpoints == []
+    trainer.disk.release()  # step 2's write completes
+    while not reporter.checkpoints:
+        await asyncio.sleep(0.01)
+    assert [(c["step"], c["version"]) for c in reporter.checkpoints] == [(2, 2)]
+    trainer.disk.release()  # step 4's, the last: the run ends only once it is written
+    summary = await asyncio.wait_for(task, 10)
+
+    assert summary.step == 4 and trainer.written == [2, 4]
+    assert [(c["step"], c["version"]) for c in reporter.checkpoints] == [(2, 2), (4, 4)]
+    info = latest_checkpoint(tmp_path)
+    assert info is not None and (info.step, info.version) == (4, 4)
+    assert json.loads((info.path / "state.json").read_text()) == {"version": 4}
+
+
+async def test_a_failed_asynchronous_checkpoint_fails_the_run(tmp_path):
+    cfg = _cfg(batch_size=1, group_size=1, save_every=1, max_staleness=8)
+    source, reporter, trainer = QueueSource(), ListReporter(), SlowDiskTrainer()
+    for i in range(10):
+        await source.put(f"k{i}", _traj(0))
+    trainer.fail = True
+    trainer.disk.release()
+    with pytest.raises(OSError, match="No space left"):
+        await TrainingLoop(cfg, trainer, source, None, reporter, None, tmp_path).run(max_steps=10)
+    assert reporter.checkpoints == [] and latest_checkpoint(tmp_path) is None
+    assert reporter.events[-1][0] == "error"
+
+
+async def test_async_checkpoints_off_saves_in_step(tmp_path):
+    cfg = _cfg(batch_size=1, group_size=1, save_every=1, max_staleness=8, async_checkpoints=False)
+    source, reporter, trainer = QueueSource(), ListReporter(), SlowDiskTrainer()
+    for i in range(2):
+        await source.put(f"k{i}", _traj(0))
+    await TrainingLoop(cfg, trainer, source, None, reporter, None, tmp_path).run(max_steps=2)
+    assert trainer.written == []  # never snapshotted: save_checkpoint wrote each in its step
+    assert [c["step"] for c in reporter.checkpoints] == [1, 2]
+
+
 async def test_a_new_loop_resumes_from_the_latest_checkpoint(tmp_path):
     cfg = _cfg(batch_size=2, group_size=1, save_every=1)
     source = QueueSource()
@@ -177,7 +252,37 @@ async def test_a_new_loop_resumes_from_the_latest_checkpoint(tmp_path):
     assert json.loads((tmp_path / "step_000004" / LOOP_STATE).read_text()) == {
         "step": 4,
         "version": 4,
+        "counters": {"rejected": 0, "dropped": 0},
     }
+
+
+async def test_the_staleness_counters_go_on_from_the_checkpoint_after_a_resume(tmp_path):
+    # staleness/rejected and staleness/dropped_total are running totals: a resumed run's
+    # series continue from the checkpoint's values instead of starting again at 0.
+    cfg = _cfg(batch_size=2, group_size=1, save_every=1, max_staleness=0)
+    source = QueueSource()
+    for key, version in [("a", 0), ("b", 0), ("c", 0), ("d", 1), ("e", 1)]:
+        await source.put(key, _traj(version))  # c is too old for version 1
+    first = StalenessController(8, 2)
+    for accepted in [True] * 5 + [False] * 3:  # three rollouts failed to generate
+        assert first.try_admit()
+        first.on_finish(accepted)
+    reporter = ListReporter()
+    await TrainingLoop(cfg, FakeTrainer(), source, None, reporter, first, tmp_path).run(max_steps=2)
+    assert reporter.metrics_log[-1][2]["staleness/dropped_total"] == 1
+
+    for key, version in [("f", 0), ("g", 2), ("h", 2)]:
+        await source.put(key, _traj(version))  # f is too old for version 2
+    second, reporter = StalenessController(8, 2), ListReporter()
+    for _ in range(3):
+        assert second.try_admit()
+        second.on_finish(True)
+    await TrainingLoop(cfg, FakeTrainer(), source, None, reporter, second, tmp_path).run(
+        max_steps=3
+    )
+    [(step, _, values)] = reporter.metrics_log
+    assert step == 3
+    assert (values["staleness/rejected"], values["staleness/dropped_total"]) == (3, 2)
 
 
 # --------------------------------------------------------------------------- the real thing

@@ -198,6 +198,33 @@ def test_checkpoint_round_trip_resumes_identically(model_path, tmp_path):
         assert torch.equal(a, b), k
 
 
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_a_checkpoint_snapshot_written_after_more_steps_holds_the_step_it_was_taken_at(
+    model_path, tmp_path, lora
+):
+    # An asynchronous checkpoint: copied between two steps, written while the next step
+    # trains. What lands on disk is the state of the step it was taken at, so resuming from it
+    # equals resuming from a checkpoint written right then.
+    cfg = _cfg(model_path, **({"lora_rank": 4, "lora_alpha": 8.0} if lora else {}))
+    first = PPOTrainer(cfg)
+    first.train_step(_batch(first, seed=1))
+    write = first.checkpoint_snapshot()
+    assert write is not None
+    first.save_checkpoint(tmp_path / "in_step")
+    next_batch = _batch(first, seed=2)
+    expected = first.train_step(next_batch)  # updates the model and optimizer in place
+    write(str(tmp_path / "snapshot"))
+
+    for name in ("in_step", "snapshot"):
+        resumed = PPOTrainer(cfg)
+        resumed.load_checkpoint(tmp_path / name)
+        assert resumed.version == 1, name
+        got = resumed.train_step(next_batch)
+        assert got["ppo/loss"] == expected["ppo/loss"], name
+        for (k, a), b in zip(_params(first).items(), _params(resumed).values(), strict=True):
+            assert torch.equal(a, b), (name, k)
+
+
 def test_a_new_run_starts_from_another_runs_checkpoint_with_fresh_optimizer_state(
     model_path, tmp_path
 ):

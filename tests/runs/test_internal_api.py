@@ -302,6 +302,7 @@ def test_resume_rewinds_the_run_and_answers_what_the_job_resumes_from(job, runni
     assert answer.status_code == 200, answer.content
     body = answer.json()
     assert (body["released"], body["rewound"], body["accepted"], body["rows_used"]) == (0, 2, 2, {})
+    assert body["dropped"] == 0
     assert set(Session.objects.values_list("trajectory", flat=True)) == {"ready"}
 
 

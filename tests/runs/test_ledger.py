@@ -132,8 +132,10 @@ def test_resume_without_a_checkpoint_starts_the_run_again_from_version_0(run):
     run.refresh_from_db()
     assert (run.step, run.weight_version, answer["rewound"]) == (0, 0, 3)
     ledger = run_ledger(run)
-    # The drop stays a drop: it was a decision, not training.
+    # The drop stays a drop: it was a decision, not training. The job's staleness counter
+    # resumes from it, so the run's dropped_total series agrees with the ledger.
     assert (ledger["trained"], ledger["dropped"], ledger["pending"]) == (0, 1, 3)
+    assert answer["dropped"] == ledger["dropped_by_reason"]["stale"] == 1
     assert ledger["trained_by_step"] == [] and ledger["balanced"]
     event = RunEvent.objects.last().message
     assert "Restarted from version 0" in event and "was at version 2" in event

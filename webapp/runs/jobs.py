@@ -185,7 +185,8 @@ def job_resume(*, run: Run, step: int, version: int) -> dict:
     again (``lifecycle.rewind``: that training is lost with the process that did it); metric
     points after ``step`` and checkpoints after ``version`` are dropped, so the chart has no
     duplicate steps; the run's step and version become the checkpoint's, which the servers
-    serve from now on. Returns what the job's admission and rollout driver resume from.
+    serve from now on. Returns what the job's admission and rollout driver resume from
+    (``dropped``: trajectories dropped as stale, in any lineage: drops are never rewound).
     """
     with transaction.atomic():
         locked = Run.objects.select_for_update().get(pk=run.pk)
@@ -212,6 +213,9 @@ def job_resume(*, run: Run, step: int, version: int) -> dict:
         else:  # a first start: nothing to go back from
             message = "Training starts from version 0."
         counters = Run.objects.filter(pk=run.pk).values("sessions_accepted").get()
+        dropped = Session.objects.filter(
+            run=run, trajectory=Session.Trajectory.DROPPED, drop_reason=lifecycle.DROP_STALE
+        ).count()
         rows_used = dataset_rows_used(run=run) if run.mode == Run.Mode.DATASET else {}
     run.refresh_from_db()
     transaction.on_commit(lambda: publish_run_event(run.id, status_event(run)))
@@ -219,6 +223,7 @@ def job_resume(*, run: Run, step: int, version: int) -> dict:
         "released": released,
         "rewound": rewound,
         "accepted": counters["sessions_accepted"],
+        "dropped": dropped,
         "rows_used": rows_used,
         "message": message,
     }
