@@ -33,6 +33,7 @@ import torch
 from rl_core import lora
 from rl_core.chat import ChatTokenizer, load_chat_tokenizer
 from rl_core.hf import load_causal_lm
+from rl_core.inference.process import when_parent_exits
 from rl_core.rewards import RewardFn, load_reward_fn, score
 from rl_core.rollout import member_seed, row_messages, row_metadata
 
@@ -175,7 +176,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, required=True)
     parser.add_argument("--temperature", type=float, required=True)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--parent-pid",
+        type=int,
+        default=None,
+        help="Exit when this process (the worker that started the eval) is gone: the eval is"
+        " queued again by whoever finds it stopped, and must not write beside its next attempt.",
+    )
     args = parser.parse_args(argv)
+    if args.parent_pid:
+        when_parent_exits(args.parent_pid, lambda: os._exit(1))
     os.nice(int(os.environ.get("STEEP_EVAL_NICE", "19")))
     torch.set_num_threads(
         int(os.environ.get("STEEP_TORCH_THREADS", "0")) or torch.get_num_threads()

@@ -213,6 +213,10 @@ STEEP_WEIGHT_SYNC_TIMEOUT_S = envint("STEEP_WEIGHT_SYNC_TIMEOUT_S", 120, minimum
 # Judge rewards (webapp.rewards): how often the worker looks for sessions to judge, and at
 # most how many judge calls one worker makes at once (a thread pool, off any event loop).
 STEEP_JUDGE_INTERVAL_S = envint("STEEP_JUDGE_INTERVAL_S", 10, minimum=1)
+# A running eval's worker writes a heartbeat this often; one silent for four of them (its
+# worker was killed) is queued again, up to EVAL_MAX_ATTEMPTS starts (webapp/evals).
+EVAL_HEARTBEAT_S = envint("EVAL_HEARTBEAT_S", 15, minimum=1)
+EVAL_MAX_ATTEMPTS = envint("EVAL_MAX_ATTEMPTS", 3, minimum=1)
 STEEP_JUDGE_CONCURRENCY = envint("STEEP_JUDGE_CONCURRENCY", 4, minimum=1)
 # Chaos tests only: a file of failpoints where a run's trainer kills itself (rl_core.failpoints).
 STEEP_FAILPOINTS = envstr("STEEP_FAILPOINTS", "")
@@ -265,6 +269,7 @@ CELERY_BEAT_SCHEDULE = {
         "options": {"expires": float(STEEP_JUDGE_INTERVAL_S)},
     },
     "reconcile-pools": {"task": "pools.reconcile", "schedule": 15.0},
+    "reconcile-evals": {"task": "evals.reconcile", "schedule": float(EVAL_HEARTBEAT_S)},
 }
 if STEEP_DEMO_AGENT:
     # A bounded batch of episodes per tick; a tick that finds another still playing returns.

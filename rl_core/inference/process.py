@@ -22,14 +22,28 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
 import httpx
 
 logger = logging.getLogger(__name__)
+
+
+def when_parent_exits(parent: int, then: Callable[[], None], every_s: float = 1.0) -> None:
+    """Call ``then`` (from a daemon thread) once ``parent`` is no longer this process's
+    parent: a child its owner started, left running after the owner was killed, ends too."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(every_s)
+        then()
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 class ServerStartError(RuntimeError):

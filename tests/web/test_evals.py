@@ -222,3 +222,39 @@ def test_expired_key_is_401(project, world, api_error):
     client.credentials(HTTP_AUTHORIZATION=f"Bearer {expired}")
     api_error(client.get(evals_url(world.run)), 401)
     api_error(client.post(evals_url(world.run), {"base_model": True}, format="json"), 401)
+
+
+def test_an_eval_whose_worker_was_killed_is_queued_again_then_failed(
+    world, settings, django_capture_on_commit_callbacks
+):
+    # A worker killed mid-eval leaves it running with no heartbeat: the reconciler queues it
+    # again, until it has been started EVAL_MAX_ATTEMPTS times; a live one is left alone.
+    from webapp.evals.services import eval_reconcile
+    from webapp.runs.models import RunEvent
+
+    settings.EVAL_HEARTBEAT_S, settings.EVAL_MAX_ATTEMPTS = 15, 2
+    now = timezone.now()
+
+    def running(attempts: int, silent_s: float) -> Eval:
+        return Eval.objects.create(
+            project=world.run.project, run=world.run, dataset=world.dataset, k=1,
+            pass_threshold=0.5, max_new_tokens=4, temperature=1.0, status=Eval.Status.RUNNING,
+            attempts=attempts, progress_done=3, progress_total=4,
+            heartbeat_at=now - timedelta(seconds=silent_s),
+        )  # fmt: skip
+
+    stopped, live, spent = running(1, 61), running(1, 59), running(2, 600)
+    with django_capture_on_commit_callbacks(execute=False) as queued:
+        assert eval_reconcile() == {"requeued": 1, "failed": 1}
+    assert len(queued) == 1  # the task is sent once the change is committed
+    for evaluation in (stopped, live, spent):
+        evaluation.refresh_from_db()
+    assert (stopped.status, stopped.progress_done, stopped.heartbeat_at) == ("queued", 0, None)
+    assert live.status == "running"
+    assert spent.status == "failed" and "stopped 2 times" in spent.error
+    assert RunEvent.objects.filter(
+        run=world.run, message__contains="queued again (start 2 of 2)"
+    ).exists()
+    with django_capture_on_commit_callbacks(execute=False) as queued:
+        assert eval_reconcile() == {"requeued": 0, "failed": 0}  # nothing more to do
+    assert queued == []

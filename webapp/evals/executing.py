@@ -17,6 +17,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from django.conf import settings
+from django.db import connection
 
 from rl_core.config import stored_setting
 from rl_core.evals import split_rows
@@ -25,6 +26,7 @@ from webapp.evals.models import Eval
 from webapp.evals.services import (
     eval_fail,
     eval_finish,
+    eval_heartbeat,
     eval_progress,
     eval_start,
     read_results,
@@ -77,6 +79,18 @@ def eval_execute(*, eval_id: str) -> str:
         return "failed"
 
 
+def _heartbeat(evaluation: Eval, ended: threading.Event) -> None:
+    """Mark ``evaluation`` alive every ``EVAL_HEARTBEAT_S`` until ``ended`` (a thread)."""
+    try:
+        while not ended.wait(settings.EVAL_HEARTBEAT_S):
+            try:
+                eval_heartbeat(evaluation=evaluation)
+            except Exception:  # the database away for a moment: the next beat tries again
+                logger.warning("eval %s: heartbeat not written", evaluation.pk, exc_info=True)
+    finally:
+        connection.close()  # this thread's own connection
+
+
 def _execute(evaluation: Eval, rows: list[dict]) -> str:
     eval_id = evaluation.pk
     if not rows:
@@ -99,6 +113,7 @@ def _execute(evaluation: Eval, rows: list[dict]) -> str:
         "--max-new-tokens", str(evaluation.max_new_tokens),
         "--temperature", str(evaluation.temperature),
         "--seed", str(stored_setting(run.config, "seed")),
+        "--parent-pid", str(os.getpid()),  # it ends with this worker, never writes beside a retry
     ]  # fmt: skip
     env = dict(os.environ) | {"STEEP_TORCH_THREADS": str(settings.STEEP_TORCH_THREADS)}
     with open(folder / "stderr.log", "w+") as errors:
@@ -107,6 +122,8 @@ def _execute(evaluation: Eval, rows: list[dict]) -> str:
         )
         watchdog = threading.Timer(EVAL_TIMEOUT.total_seconds(), process.kill)
         watchdog.start()
+        ended = threading.Event()  # set: the evaluator exited, the heartbeat stops
+        threading.Thread(target=_heartbeat, args=(evaluation, ended), daemon=True).start()
         try:
             assert process.stdout is not None
             for line in process.stdout:
@@ -116,6 +133,7 @@ def _execute(evaluation: Eval, rows: list[dict]) -> str:
             code = process.wait()
         finally:
             watchdog.cancel()
+            ended.set()
         errors.seek(0)
         tail = errors.read()[-ERROR_TAIL_CHARS:].strip()
     if code != 0:

@@ -58,6 +58,10 @@ class Eval(models.Model):
     created_at = models.DateTimeField(default=timezone.now)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
+    # While running, the worker executing it writes this every EVAL_HEARTBEAT_S; one gone
+    # silent (the worker killed) is queued again (evals.services.eval_reconcile).
+    heartbeat_at = models.DateTimeField(null=True, blank=True)
+    attempts = models.PositiveIntegerField(default=0, help_text="Starts so far, retries included.")
 
     class Meta:
         ordering = ["-created_at"]

@@ -7,9 +7,12 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
+from datetime import timedelta
 from pathlib import Path
 
+from django.conf import settings
 from django.db import transaction
+from django.db.models import F
 from django.utils import timezone
 
 from rl_core.config import stored_setting
@@ -127,10 +130,54 @@ def eval_schedule_for_checkpoint(*, checkpoint: Checkpoint) -> Eval | None:
 
 def eval_start(*, evaluation: Eval, total: int) -> bool:
     """queued → running; False when it was not queued (a duplicate delivery)."""
+    now = timezone.now()
     updated = Eval.objects.filter(pk=evaluation.pk, status=Eval.Status.QUEUED).update(
-        status=Eval.Status.RUNNING, started_at=timezone.now(), progress_total=total
+        status=Eval.Status.RUNNING,
+        started_at=now,
+        heartbeat_at=now,
+        attempts=F("attempts") + 1,
+        progress_total=total,
+        progress_done=0,
     )
     return bool(updated)
+
+
+def eval_heartbeat(*, evaluation: Eval) -> None:
+    """The worker running ``evaluation`` is alive (every ``EVAL_HEARTBEAT_S``)."""
+    Eval.objects.filter(pk=evaluation.pk, status=Eval.Status.RUNNING).update(
+        heartbeat_at=timezone.now()
+    )
+
+
+def eval_reconcile() -> dict[str, int]:
+    """Evals left running by a worker that was killed (no heartbeat for 4 intervals) go back
+    to the queue, or fail once they have been started ``EVAL_MAX_ATTEMPTS`` times."""
+    silent_since = timezone.now() - timedelta(seconds=4 * settings.EVAL_HEARTBEAT_S)
+    requeued, failed = [], 0
+    with transaction.atomic():
+        stopped = Eval.objects.select_for_update(skip_locked=True).filter(
+            status=Eval.Status.RUNNING, heartbeat_at__lt=silent_since
+        )
+        for evaluation in stopped:
+            gone = "The worker running it stopped"
+            if evaluation.attempts >= settings.EVAL_MAX_ATTEMPTS:
+                error = f"{gone} {evaluation.attempts} times; not retried."
+                eval_fail(evaluation=evaluation, error=error)
+                failed += 1
+                continue
+            Eval.objects.filter(pk=evaluation.pk).update(
+                status=Eval.Status.QUEUED, heartbeat_at=None, progress_done=0
+            )
+            RunEvent.objects.create(
+                run_id=evaluation.run_id,
+                kind="eval",
+                message=f"Eval of {evaluation.model_label}: {gone.lower()}; queued again"
+                f" (start {evaluation.attempts + 1} of {settings.EVAL_MAX_ATTEMPTS}).",
+            )
+            requeued.append(str(evaluation.pk))
+    if requeued:
+        transaction.on_commit(lambda: _queue(requeued))
+    return {"requeued": len(requeued), "failed": failed}
 
 
 def eval_progress(*, evaluation: Eval, done: int) -> None:

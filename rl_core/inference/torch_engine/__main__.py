@@ -14,12 +14,11 @@ import logging
 import os
 import random
 import signal
-import threading
-import time
 
 import torch
 from aiohttp import web
 
+from rl_core.inference.process import when_parent_exits
 from rl_core.inference.torch_engine.engine import TorchEngine, load_model
 from rl_core.inference.torch_engine.lora import AdapterSet
 from rl_core.inference.torch_engine.server import build_app
@@ -99,13 +98,11 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 def _exit_with_parent(parent: int) -> None:
     """SIGTERM ourselves (a graceful stop once serving) once ``parent`` is no longer our parent."""
 
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(1.0)
+    def stop() -> None:
         logger.warning("the process that started this server (%d) exited: shutting down", parent)
         os.kill(os.getpid(), signal.SIGTERM)
 
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+    when_parent_exits(parent, stop)
 
 
 def main(argv: list[str] | None = None) -> None:
