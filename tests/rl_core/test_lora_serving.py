@@ -344,3 +344,29 @@ async def test_the_rollout_driver_generates_under_the_current_versions_adapter(
             assert torch.allclose(torch.tensor(tuned.output_logprobs), expected, atol=2e-3)
         finally:
             await client.unload_lora_adapter("runR-v1")
+
+
+async def test_fair_share_weights_are_set_over_http_and_runs_are_counted_in_server_info(
+    lora_engine, adapters
+):
+    url = lora_engine.url
+    set_ok = await _post(url, "/set_fair_share_weights", {"weights": {"run-a": 2, "run-b": 1}})
+    assert set_ok.status_code == 200
+    for bad in ({"weights": {"run-a": 0}}, {"weights": ["run-a"]}, {"weights": {"run-a": True}}):
+        refused = await _post(url, "/set_fair_share_weights", bad)
+        assert refused.status_code == 400, bad
+    async with InferenceClient(url) as client:
+        await client.load_lora_adapter("run-a-v3", str(adapters["a"]))
+        try:
+            await client.generate(PROMPT, {"max_new_tokens": 5}, lora_path="run-a-v3")
+        finally:
+            await client.unload_lora_adapter("run-a-v3")
+    async with httpx.AsyncClient(timeout=60) as http:
+        info = (await http.get(url + "/get_server_info")).json()
+    tenants = info["internal_states"][0]["tenants"]
+    assert tenants["run-a"] == {
+        "running_reqs": 0,
+        "waiting_reqs": 0,
+        "generated_tokens": 5,
+        "weight": 2.0,
+    }

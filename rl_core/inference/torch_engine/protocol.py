@@ -181,6 +181,7 @@ class GenerateRequest:
         self.stream = stream
         self.lora_path = lora_path  # the adapter's name (SGLang's field name); None: the base model
         self.adapter: Any = None  # the engine's loaded Adapter while the request holds it
+        self.tenant = ""  # the run it is scheduled for (fair.tenant_of), set when queued
         self.created = time.monotonic()
         self.output_ids: list[int] = []
         self.output_logprobs: list[float] = []

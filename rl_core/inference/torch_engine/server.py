@@ -277,6 +277,24 @@ async def unload_lora_adapter(request: web.Request) -> web.Response:
     return _lora_answer(engine, None)
 
 
+async def set_fair_share_weights(request: web.Request) -> web.Response:
+    """Steep's extension (SGLang has no such route): ``{"weights": {run: weight}}``, each
+    run's (adapter name without ``-v<N>``) weight in the batch's fair share (``fair.py``)."""
+    engine = request.app[ENGINE]
+    body = await _json_body(request)
+    weights = body.get("weights") if isinstance(body, dict) else None
+    if not isinstance(weights, dict) or not all(
+        isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
+        for k, v in weights.items()
+    ):
+        raise BadRequest('set_fair_share_weights needs {"weights": {"<run>": <number>, ...}}.')
+    try:
+        engine.set_fair_share_weights({k: float(v) for k, v in weights.items()})
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from None
+    return _ok("Fair share weights set.")
+
+
 # --------------------------------------------------------------------------- information
 
 
@@ -338,6 +356,7 @@ ROUTES = [
     web.post("/slow_down", slow_down),
     web.post("/load_lora_adapter", load_lora_adapter),
     web.post("/unload_lora_adapter", unload_lora_adapter),
+    web.post("/set_fair_share_weights", set_fair_share_weights),
     web.get("/flush_cache", flush_cache),
     web.post("/flush_cache", flush_cache),
     web.get("/get_model_info", get_model_info),
