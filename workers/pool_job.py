@@ -58,7 +58,10 @@ class PoolServers:
             {
                 "lora_rank": settings["max_lora_rank"],
                 "lora_target_modules": settings["lora_target_modules"],
+                # One limit for both: a batch holds at most what is loaded; past it the
+                # least recently used idle adapter is evicted (lora.py, torch engine).
                 "max_loras_per_batch": settings["max_loaded_adapters"],
+                "max_loaded_loras": settings["max_loaded_adapters"],
             },
         )
         self.replicas: list[PooledReplica] = []

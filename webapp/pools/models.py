@@ -59,7 +59,9 @@ class Pool(models.Model):
     max_loaded_adapters = models.PositiveIntegerField(
         default=8,
         validators=[MinValueValidator(1)],
-        help_text="Adapters one server keeps loaded and batches together (--max-loras-per-batch).",
+        help_text="Adapters one server keeps loaded and batches together (--max-loaded-loras, "
+        "--max-loras-per-batch); past it the least recently used idle one is evicted and "
+        "reloaded when its run's next request comes.",
     )
     max_sessions_per_run = models.PositiveIntegerField(
         default=0, help_text="Open sessions one attached run may hold in the pool (0: no limit)."

@@ -87,6 +87,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="Most distinct adapters in one running batch; more wait.",
     )
     parser.add_argument(
+        "--max-loaded-loras",
+        type=int,
+        default=None,
+        help="Most adapters held in memory; loading one more evicts the least recently used "
+        "idle one, reloaded from its path when a request names it (default: no limit).",
+    )
+    parser.add_argument(
         "--parent-pid",
         type=int,
         default=None,
@@ -133,6 +140,7 @@ def main(argv: list[str] | None = None) -> None:
             target_modules=args.lora_target_modules,
             max_lora_rank=args.max_lora_rank,
             max_loras_per_batch=args.max_loras_per_batch,
+            max_loaded_loras=args.max_loaded_loras,
         )
     engine = TorchEngine(
         model,

@@ -197,9 +197,19 @@ class TorchEngine:
             }
             for tenant in sorted(set(running) | set(depth) | set(self.tokens_by_tenant))
         }
+        if self.adapters is not None:
+            adapters = {
+                "loaded_adapters": sorted(self.adapters.loaded()),
+                "evicted_adapters": self.adapters.evicted(),
+                "num_adapter_evictions": self.adapters.evictions,
+                "num_adapter_reloads": self.adapters.reloads,
+            }
+        else:
+            adapters = {}
         return {
             "num_running_reqs": len(self._running),
             "num_waiting_reqs": sum(depth.values()),
+            **adapters,
             "paused": paused,
             "weight_version": self.weight_version,
             "tenants": tenants,  # per run (adapter name without its version): fair.py
