@@ -161,3 +161,16 @@ def test_a_run_idle_for_longer_than_the_linger_gives_its_share_back():
     counts = [collections.Counter(r.tenant for r in batch)["b"] for batch in batches]
     # Alone: 8 rows; beside the light run (and 3 steps after it left): 4; then all 8 again.
     assert counts == [8, 8, 4, 4, 4, 4, 8, 8, 8, 8]
+
+
+def test_token_rates_count_the_last_window_per_run():
+    from rl_core.inference.torch_engine.fair import TokenRates
+
+    rates = TokenRates(window_s=10)
+    rates.add(collections.Counter({"a": 3, "b": 1}), now=100.2)
+    rates.add(collections.Counter({"a": 2}), now=100.7)
+    rates.add(collections.Counter({"a": 5}), now=105.0)
+    assert rates.per_second(105.5) == {"a": 1.0, "b": 0.1}
+    assert rates.per_second(110.5) == {"a": 0.5}  # the second 100 left the window
+    rates.add(collections.Counter({"b": 4}), now=200.0)
+    assert rates.per_second(200.0) == {"b": 0.4}

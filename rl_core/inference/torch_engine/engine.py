@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from rl_core.inference.torch_engine.fair import FairQueue
+from rl_core.inference.torch_engine.fair import FairQueue, TokenRates
 from rl_core.inference.torch_engine.kv_cache import PaddedBatchCache, make_cache
 from rl_core.inference.torch_engine.lora import AdapterSet
 from rl_core.inference.torch_engine.penalties import apply_penalties, penalised
@@ -116,6 +116,7 @@ class TorchEngine:
             "busy_seconds": 0.0,  # wall time in scheduler steps (prefill + decode): utilisation
         }
         self.tokens_by_tenant: collections.Counter[str] = collections.Counter()  # generated
+        self.token_rates = TokenRates()  # the same over the last seconds: tokens/s per run
         self._thread = threading.Thread(
             target=self._run, name="torch-engine-scheduler", daemon=True
         )
@@ -188,11 +189,13 @@ class TorchEngine:
             depth, paused = self._waiting.depth(), self._paused
             weights = dict(self._waiting.weights)
         running = collections.Counter(r.tenant for r in list(self._running))
+        rates = self.token_rates.per_second(time.monotonic())
         tenants = {
             tenant: {
                 "running_reqs": running.get(tenant, 0),
                 "waiting_reqs": depth.get(tenant, 0),
                 "generated_tokens": self.tokens_by_tenant.get(tenant, 0),
+                "tokens_per_s": rates.get(tenant, 0.0),
                 "weight": weights.get(tenant, 1.0),
             }
             for tenant in sorted(set(running) | set(depth) | set(self.tokens_by_tenant))
@@ -459,6 +462,7 @@ class TorchEngine:
         # (rl_core.sampling): log_softmax(logits / T); greedy requests at T = 1.
         temps = torch.tensor([[logprob_temperature(r.params.temperature)] for r in reqs])  # [B, 1]
         logprobs = torch.log_softmax(logits / temps, dim=-1)  # [B, V]
+        self.token_rates.add(collections.Counter(r.tenant for r in reqs), time.monotonic())
         for i, req in enumerate(reqs):
             token = self._sample(logits[i], req)
             req.output_ids.append(token)

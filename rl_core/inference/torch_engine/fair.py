@@ -168,3 +168,27 @@ class FairQueue:
                     self._queues[tenant] = self._queues.pop(tenant)
                 # else the batch filled up mid-turn: the tenant goes on first next step
         return admitted
+
+
+class TokenRates:
+    """Tokens generated per tenant over the last ``window_s`` seconds (one-second buckets):
+    the per-run tokens/s of a pool's statistics. Scheduler thread writes, others read."""
+
+    def __init__(self, window_s: int = 10):
+        self.window_s = window_s
+        self._buckets: collections.deque[tuple[int, collections.Counter[str]]] = collections.deque()
+
+    def add(self, counts: collections.Counter[str], now: float) -> None:
+        second = int(now)
+        if not self._buckets or self._buckets[-1][0] != second:
+            self._buckets.append((second, collections.Counter()))
+            while self._buckets and self._buckets[0][0] <= second - self.window_s:
+                self._buckets.popleft()
+        self._buckets[-1][1].update(counts)
+
+    def per_second(self, now: float) -> dict[str, float]:
+        total: collections.Counter[str] = collections.Counter()
+        for second, counts in list(self._buckets):
+            if second > int(now) - self.window_s:
+                total.update(counts)
+        return {tenant: n / self.window_s for tenant, n in total.items()}
