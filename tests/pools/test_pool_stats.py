@@ -104,3 +104,26 @@ def test_a_server_that_does_not_report_shows_no_figures(
     assert stats["servers_reporting"] == 0 and stats["loaded_adapters"] == []
     (run,) = stats["runs"]
     assert (run["tokens_per_s"], run["queue_depth"], run["running_requests"]) == (None, None, None)
+
+
+def test_staff_set_run_weights_and_the_pool_job_hands_them_to_its_torch_servers(
+    engine, staff_api, api, api_error, make_pool
+):
+    import asyncio
+
+    from workers.pool_job import push_fair_share_weights
+
+    make_pool(name="shared")
+    set_ok = staff_api.post(
+        "/api/v1/pools/shared/run_weights/", {"run_weights": {"run-a": 3}}, format="json"
+    )
+    assert set_ok.status_code == 200 and set_ok.json()["run_weights"] == {"run-a": 3.0}
+    for bad in ({"run_weights": {"run-a": 0}}, {"run_weights": ["run-a"]}, {}):
+        api_error(staff_api.post("/api/v1/pools/shared/run_weights/", bad, format="json"), 400)
+    api_error(
+        api.post("/api/v1/pools/shared/run_weights/", {"run_weights": {}}, format="json"), 404
+    )
+    weights = staff_api.get("/api/v1/pools/shared/").json()["run_weights"]
+    took = asyncio.run(push_fair_share_weights([engine.url, "http://127.0.0.1:9"], weights))
+    assert took == [engine.url]  # the unreachable one is logged and retried later
+    assert _state(engine.url)["fair_share_weights"] == {"run-a": 3.0}

@@ -216,6 +216,7 @@ class TorchEngine:
             "paused": paused,
             "weight_version": self.weight_version,
             "tenants": tenants,  # per run (adapter name without its version): fair.py
+            "fair_share_weights": weights,
             **self.stats,
         }
 
