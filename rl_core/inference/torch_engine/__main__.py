@@ -4,7 +4,7 @@
         [--host 127.0.0.1] [--max-running-requests 32] [--weight-version 0] \\
         [--num-threads N] [--dtype float32] [--device cpu] [--context-length N] \\
         [--parent-pid PID] [--enable-lora [--max-lora-rank R] [--lora-target-modules M ...]
-        [--max-loras-per-batch N]]
+        [--max-loras-per-batch N] [--max-loaded-loras N]]
 """
 
 from __future__ import annotations
