@@ -2,7 +2,7 @@
 
     nice -n 19 .venv/bin/python bench/pool.py [--model tiny|PATH] [--runs 1,2,4] [--clients 4]
         [--duration 20] [--warmup 3] [--cores 0,1] [--threads 1] [--max-new-tokens 16] [--flood 16]
-        [--out .steep/bench/pool.json]
+        [--flood-batch 16] [--out .steep/bench/pool.json]
 
 A "run" here is what a LoRA run puts on its inference servers: one adapter (rank 8, random
 B, saved in peft's format: what a training step publishes) and ``--clients`` agents, each
@@ -23,6 +23,9 @@ engines' summed resident memory (RSS, MiB), and the p50 latency of a trajectory.
 
 ``--flood F`` adds the fair-share check of issue 17: two runs on one shared engine, run A
 with one client and run B with F; run A's p50 latency next to its p50 alone on the engine.
+That engine's batch is ``--flood-batch`` rows (``--max-running-requests``): the fair share
+gives each of the two runs half of it (``rl_core/inference/torch_engine/fair.py``), so it
+only holds B back when half the batch is fewer rows than B's F clients.
 """
 
 from __future__ import annotations
@@ -76,14 +79,16 @@ def rss_mib(pid: int) -> float:
     return float("nan")
 
 
-def engine(model: Path, threads: int, n_adapters: int, logs: Path, name: str) -> TorchEngineServer:
+def engine(
+    model: Path, threads: int, n_adapters: int, logs: Path, name: str, batch: int = 64
+) -> TorchEngineServer:
     return TorchEngineServer(
         model,
         host="127.0.0.1",
         num_threads=threads,
         lora_rank=8,
         max_loras_per_batch=max(1, n_adapters),
-        max_running_requests=64,
+        max_running_requests=batch,
         log_path=logs / f"{name}.log",
     )
 
@@ -163,7 +168,7 @@ def cell(kind: str, n: int, args, model: Path, adapters: list[Path], logs: Path)
 
 def flood(args, model: Path, adapters: list[Path], logs: Path) -> dict:
     """Run A (1 client) alone, then beside run B (``--flood`` clients), on one shared engine."""
-    server = engine(model, args.threads, 2, logs, "flood")
+    server = engine(model, args.threads, 2, logs, "flood", batch=args.flood_batch)
     server.start()
     try:
         server.wait_healthy(timeout=300)
@@ -184,6 +189,7 @@ def flood(args, model: Path, adapters: list[Path], logs: Path) -> dict:
     solo, beside = statistics.median(alone["run0"]), statistics.median(both["run0"])
     return {
         "flood_clients": args.flood,
+        "flood_batch": args.flood_batch,
         "run_a_p50_alone_s": solo,
         "run_a_p50_flooded_s": beside,
         "ratio": beside / solo,
@@ -203,6 +209,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per engine")
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--flood", type=int, default=16, help="0 skips the fair-share check")
+    parser.add_argument(
+        "--flood-batch", type=int, default=16, help="--max-running-requests of the flood engine"
+    )
     parser.add_argument("--out", default=str(ROOT / ".steep" / "bench" / "pool.json"))
     args = parser.parse_args(argv)
     args.cores = [int(c) for c in args.cores.split(",")]
@@ -214,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
         model = build_tiny_model(work / "tiny")
     else:
         model = Path(args.model)
-    counts = [int(n) for n in args.runs.split(",")]
+    counts = [int(n) for n in args.runs.split(",") if n]  # "": the flood check only
     adapters = make_adapters(model, work / "adapters", max(counts + [2]))
     results = []
     print(f"{'N':>2} {'engines':<10} {'traj/s':>8} {'fairness':>8} {'RSS MiB':>8} {'p50 s':>7}")
@@ -234,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"fair share: run A p50 {f['run_a_p50_alone_s']:.3f} s alone, "
             f"{f['run_a_p50_flooded_s']:.3f} s beside {args.flood} clients of run B "
-            f"({f['ratio']:.2f}x)"
+            f"({f['ratio']:.2f}x; batch {args.flood_batch}; B finished {f['run_b_trajectories']})"
         )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))

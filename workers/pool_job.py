@@ -8,7 +8,9 @@ The job keeps ``replicas`` servers of the pool's base model up, each a Ray actor
 placement group of its own (``workers.replicas.PooledReplica``), serving LoRA adapters
 (SGLang's flags: ``--max-lora-rank``, ``--lora-target-modules``, ``--max-loras-per-batch``).
 It registers each server once healthy, then long-polls ``watch`` and starts or stops
-servers when an operator scales the pool, until the pool is stopped. Runs attached to the
+servers when an operator scales the pool, until the pool is stopped. After each answer it
+gives the torch engine servers the runs' fair-share weights (``Pool.run_weights``:
+``POST /set_fair_share_weights``, Steep's extension; SGLang has no per-run share). Runs attached to the
 pool load their adapters on these servers from their own jobs (``workers.ray_job``).
 """
 
@@ -21,6 +23,7 @@ import os
 import signal
 import traceback
 
+import httpx
 import ray
 
 from workers.capacity import placement_timeout_s, resolve_backend
@@ -37,11 +40,28 @@ class PoolAPI(InternalAPI):
         super().__init__(base_url, "-", secret, timeout=LONG_POLL_S + 30)
         self.prefix = f"{base_url.rstrip('/')}/internal/v1/pools/{pool_id}"
 
-    async def watch(self, replicas: int, status: str) -> tuple[int, str]:
+    async def watch(self, replicas: int, status: str) -> tuple[int, str, dict]:
         row = await self.call(
             "GET", f"watch?replicas={replicas}&status={status}&wait_s={LONG_POLL_S:g}"
         )
-        return int(row["replicas"]), str(row["status"])
+        return int(row["replicas"]), str(row["status"]), dict(row.get("run_weights") or {})
+
+
+async def push_fair_share_weights(urls: list[str], weights: dict) -> list[str]:
+    """Give each torch engine server the runs' weights; returns the URLs that took them (a
+    failure is logged and retried after the next watch answer)."""
+    done = []
+    async with httpx.AsyncClient(timeout=30) as http:
+        for url in urls:
+            try:
+                response = await http.post(
+                    f"{url}/set_fair_share_weights", json={"weights": weights}
+                )
+                response.raise_for_status()
+                done.append(url)
+            except httpx.HTTPError as exc:
+                logger.warning("could not set fair-share weights on %s: %s", url, exc)
+    return done
 
 
 class PoolServers:
@@ -58,10 +78,21 @@ class PoolServers:
             {
                 "lora_rank": settings["max_lora_rank"],
                 "lora_target_modules": settings["lora_target_modules"],
+                # One limit for both: a batch holds at most what is loaded; past it the
+                # least recently used idle adapter is evicted (lora.py, torch engine).
                 "max_loras_per_batch": settings["max_loaded_adapters"],
+                "max_loaded_loras": settings["max_loaded_adapters"],
             },
         )
         self.replicas: list[PooledReplica] = []
+        self._weighted: dict[str, dict] = {}  # url → the weights it took
+
+    async def set_weights(self, weights: dict) -> None:
+        if self.backend != "torch":
+            return
+        stale = [r.url for r in self.replicas if r.url and self._weighted.get(r.url) != weights]
+        for url in await push_fair_share_weights(stale, weights):
+            self._weighted[url] = weights
 
     async def scale(self, wanted: int) -> None:
         while len(self.replicas) < wanted:
@@ -94,11 +125,13 @@ async def run_pool(pool_id: str, web_url: str, secret: str) -> str:
         backend = resolve_backend(settings["backend"], ray.cluster_resources())
         servers = PoolServers(api, settings, backend)
         wanted, status = int(settings["replicas"]), str(settings["status"])
+        weights = dict(settings.get("run_weights") or {})
         while status in ("starting", "running"):
             await servers.scale(wanted)
+            await servers.set_weights(weights)
             if status == "starting":
                 await api.call("POST", "status", {"status": "running"})
-            wanted, status = await api.watch(wanted, status)
+            wanted, status, weights = await api.watch(wanted, status)
         await servers.stop_all()
         await api.call("POST", "status", {"status": "stopped"})
         return "stopped"

@@ -59,10 +59,13 @@ class TorchEngineServer(InferenceServer):
         lora_rank: int = 0,
         lora_target_modules: Sequence[str] = (),
         max_loras_per_batch: int | None = None,
+        max_loaded_loras: int | None = None,
         **kwargs: Any,
     ):
         super().__init__(model_path, **kwargs)
-        self.lora = lora_flags(lora_rank, lora_target_modules, max_loras_per_batch)
+        self.lora = lora_flags(
+            lora_rank, lora_target_modules, max_loras_per_batch, max_loaded_loras
+        )
         self.max_running_requests = max_running_requests
         self.num_threads = num_threads
         self.dtype = dtype

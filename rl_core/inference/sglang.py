@@ -28,7 +28,10 @@ LOGPROB_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "false", "RETURN_ORIGINAL_LOGPR
 
 
 def lora_flags(
-    max_lora_rank: int, target_modules: Sequence[str] = (), max_loras_per_batch: int | None = None
+    max_lora_rank: int,
+    target_modules: Sequence[str] = (),
+    max_loras_per_batch: int | None = None,
+    max_loaded_loras: int | None = None,
 ) -> list[str]:
     """SGLang's multi-LoRA flags (the torch engine takes the same); ``[]`` when rank is 0.
 
@@ -46,6 +49,8 @@ def lora_flags(
     ]
     if max_loras_per_batch is not None:
         flags += ["--max-loras-per-batch", str(max_loras_per_batch)]
+    if max_loaded_loras is not None:
+        flags += ["--max-loaded-loras", str(max_loaded_loras)]
     return flags
 
 
@@ -70,6 +75,7 @@ class SGLangServer(InferenceServer):
         lora_rank: int = 0,
         lora_target_modules: Sequence[str] = (),
         max_loras_per_batch: int | None = None,
+        max_loaded_loras: int | None = None,
         **kwargs: Any,
     ):
         super().__init__(model_path, **kwargs)
@@ -82,7 +88,9 @@ class SGLangServer(InferenceServer):
         self.served_model_name = served_model_name
         self.random_seed = random_seed
         self.log_level = log_level
-        self.lora = lora_flags(lora_rank, lora_target_modules, max_loras_per_batch)
+        self.lora = lora_flags(
+            lora_rank, lora_target_modules, max_loras_per_batch, max_loaded_loras
+        )
 
     def command(self) -> list[str]:
         cmd = [

@@ -97,10 +97,10 @@ def test_a_failed_job_fails_the_pool_with_its_error(job, pool):
 def test_watch_answers_at_once_when_the_pool_was_scaled(job, pool):
     Pool.objects.filter(pk=pool.pk).update(replicas=5)
     body = job("GET", "watch?replicas=2&status=starting&wait_s=20").json()
-    assert body == {"replicas": 5, "status": "starting"}
+    assert body == {"replicas": 5, "status": "starting", "run_weights": {}}
 
 
 def test_watch_without_change_answers_the_same_after_its_wait(job):
     body = job("GET", "watch?replicas=2&status=starting&wait_s=0").json()
-    assert body == {"replicas": 2, "status": "starting"}
+    assert body == {"replicas": 2, "status": "starting", "run_weights": {}}
     assert job("GET", "watch?replicas=two").status_code == 400

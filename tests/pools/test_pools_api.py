@@ -19,7 +19,13 @@ def test_staff_create_list_show_and_scale_a_pool(staff_api):
         "torch",
     )
     assert (pool["replicas"], pool["status"], pool["max_lora_rank"]) == (2, "stopped", 64)
-    assert pool["stats"] == {"servers": [], "runs": [], "loaded_adapters": []}
+    assert pool["stats"] == {
+        "servers": [],
+        "servers_reporting": 0,
+        "runs": [],
+        "loaded_adapters": [],
+        "evicted_adapters": [],
+    }
 
     listed = staff_api.get("/api/v1/pools/").json()
     assert [p["name"] for p in listed["results"]] == ["shared-tiny"]

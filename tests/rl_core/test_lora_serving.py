@@ -235,11 +235,15 @@ def test_launchers_pass_sglangs_lora_flags():
     from rl_core.inference.launch import SGLangServer, TorchEngineServer
 
     sglang = SGLangServer(
-        "/m", lora_rank=16, lora_target_modules=["q_proj", "v_proj"], max_loras_per_batch=4
+        "/m",
+        lora_rank=16,
+        lora_target_modules=["q_proj", "v_proj"],
+        max_loras_per_batch=4,
+        max_loaded_loras=6,
     )
-    assert sglang.command()[-8:] == [
+    assert sglang.command()[-10:] == [
         "--enable-lora", "--max-lora-rank", "16", "--lora-target-modules", "q_proj", "v_proj",
-        "--max-loras-per-batch", "4",
+        "--max-loras-per-batch", "4", "--max-loaded-loras", "6",
     ]  # fmt: skip
     torch_cmd = TorchEngineServer("/m", lora_rank=8).command()
     assert torch_cmd[-5:] == [
@@ -344,3 +348,84 @@ async def test_the_rollout_driver_generates_under_the_current_versions_adapter(
             assert torch.allclose(torch.tensor(tuned.output_logprobs), expected, atol=2e-3)
         finally:
             await client.unload_lora_adapter("runR-v1")
+
+
+async def test_fair_share_weights_are_set_over_http_and_runs_are_counted_in_server_info(
+    lora_engine, adapters
+):
+    url = lora_engine.url
+    set_ok = await _post(url, "/set_fair_share_weights", {"weights": {"run-a": 2, "run-b": 1}})
+    assert set_ok.status_code == 200
+    for bad in ({"weights": {"run-a": 0}}, {"weights": ["run-a"]}, {"weights": {"run-a": True}}):
+        refused = await _post(url, "/set_fair_share_weights", bad)
+        assert refused.status_code == 400, bad
+    async with InferenceClient(url) as client:
+        await client.load_lora_adapter("run-a-v3", str(adapters["a"]))
+        try:
+            await client.generate(PROMPT, {"max_new_tokens": 5}, lora_path="run-a-v3")
+        finally:
+            await client.unload_lora_adapter("run-a-v3")
+    async with httpx.AsyncClient(timeout=60) as http:
+        info = (await http.get(url + "/get_server_info")).json()
+    run_a = info["internal_states"][0]["tenants"]["run-a"]
+    rate = run_a.pop("tokens_per_s")
+    assert run_a == {"running_reqs": 0, "waiting_reqs": 0, "generated_tokens": 5, "weight": 2.0}
+    assert 0 <= rate <= 0.5  # 5 tokens over the 10 s window (TokenRates: unit-tested)
+
+
+# --------------------------------------------------------------------------- eviction
+
+
+async def _server_state(url: str) -> dict:
+    async with httpx.AsyncClient(timeout=60) as http:
+        return (await http.get(url + "/get_server_info")).json()["internal_states"][0]
+
+
+async def test_past_max_loaded_loras_the_least_recently_used_idle_adapter_is_evicted_and_reloaded_on_demand(
+    torch_engine_factory, adapters
+):
+    engine = torch_engine_factory(lora_rank=8, max_loras_per_batch=2, max_loaded_loras=2)
+    greedy = {"max_new_tokens": 6, "temperature": 0}
+    async with InferenceClient(engine.url) as client:
+        await client.load_lora_adapter("run-a-v1", str(adapters["a"]))
+        await client.load_lora_adapter("run-b-v1", str(adapters["b"]))
+        before = await client.generate(PROMPT, greedy, lora_path="run-a-v1")
+        await client.generate(PROMPT, greedy, lora_path="run-b-v1")  # run-a is now the LRU
+        await client.load_lora_adapter("run-c-v1", str(adapters["a"]))
+        state = await _server_state(engine.url)
+        assert state["loaded_adapters"] == ["run-b-v1", "run-c-v1"]
+        assert state["evicted_adapters"] == ["run-a-v1"]
+        assert state["num_adapter_evictions"] == 1
+
+        # run-a's agents come back: its adapter is read again (evicting the LRU, run-b) and
+        # serves exactly what it served before.
+        after = await client.generate(PROMPT, greedy, lora_path="run-a-v1")
+        assert after.output_ids == before.output_ids
+        assert after.output_logprobs == pytest.approx(before.output_logprobs, abs=1e-5)
+        state = await _server_state(engine.url)
+        assert state["loaded_adapters"] == ["run-a-v1", "run-c-v1"]
+        assert state["evicted_adapters"] == ["run-b-v1"]
+        assert (state["num_adapter_evictions"], state["num_adapter_reloads"]) == (2, 1)
+
+        # Unloading an evicted adapter forgets it: no reload afterwards.
+        assert (await client.unload_lora_adapter("run-b-v1"))["success"] is True
+        with pytest.raises(InferenceError, match="not loaded: run-b-v1"):
+            await client.generate(PROMPT, greedy, lora_path="run-b-v1")
+
+
+def test_busy_and_pinned_adapters_are_never_evicted(tiny_model_dir, adapters):
+    from rl_core.inference.torch_engine.engine import load_model
+    from rl_core.inference.torch_engine.lora import AdapterLoadError, AdapterSet
+
+    lora = AdapterSet(load_model(str(tiny_model_dir)), max_loras_per_batch=1, max_loaded_loras=2)
+    lora.load("pinned-v1", str(adapters["a"]), pinned=True)
+    lora.load("busy-v1", str(adapters["b"]))
+    held = lora.acquire("busy-v1")  # a request is running under it
+    with pytest.raises(AdapterLoadError, match="serving requests or pinned"):
+        lora.load("new-v1", str(adapters["a"]))
+    assert sorted(lora.loaded()) == ["busy-v1", "pinned-v1"]
+    lora.release(held)
+    lora.load("new-v1", str(adapters["a"]))  # now the idle busy-v1 goes
+    assert sorted(lora.loaded()) == ["new-v1", "pinned-v1"] and lora.evicted() == ["busy-v1"]
+    with pytest.raises(ValueError, match="at least --max-loras-per-batch"):
+        AdapterSet(load_model(str(tiny_model_dir)), max_loras_per_batch=4, max_loaded_loras=2)

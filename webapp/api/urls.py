@@ -82,6 +82,9 @@ urlpatterns = [
     path("pools/", pools.PoolListApi.as_view(), name="pools"),
     path("pools/<str:name>/", pools.PoolDetailApi.as_view(), name="pool"),
     path("pools/<str:name>/scale/", pools.PoolScaleApi.as_view(), name="pool-scale"),
+    path(
+        "pools/<str:name>/run_weights/", pools.PoolRunWeightsApi.as_view(), name="pool-run-weights"
+    ),
     path("pools/<str:name>/start/", pools.PoolStartApi.as_view(), name="pool-start"),
     path("pools/<str:name>/stop/", pools.PoolStopApi.as_view(), name="pool-stop"),
     path("agents/", agents.AgentListApi.as_view(), name="agents"),

@@ -76,6 +76,13 @@ class PoolInput(serializers.Serializer):
         return attrs
 
 
+class RunWeightsInput(serializers.Serializer):
+    run_weights = serializers.DictField(
+        child=serializers.FloatField(min_value=1e-6),
+        help_text="Run id → weight in the servers' fair share of the batch; runs not named weigh 1.",
+    )
+
+
 class ScaleInput(serializers.Serializer):
     replicas = serializers.IntegerField(min_value=0, max_value=services.MAX_REPLICAS)
 
@@ -92,6 +99,7 @@ class PoolOutput(serializers.Serializer):
     max_loaded_adapters = serializers.IntegerField()
     max_sessions_per_run = serializers.IntegerField()
     max_requests_per_run = serializers.IntegerField()
+    run_weights = serializers.DictField(child=serializers.FloatField())
     error = serializers.CharField()
     created_at = serializers.DateTimeField()
 
@@ -145,6 +153,25 @@ class PoolScaleApi(StaffAPIView):
         data.is_valid(raise_exception=True)
         pool = services.pool_scale(pool=pool, replicas=data.validated_data["replicas"])
         return Response(PoolDetailOutput(pool).data, status=status.HTTP_202_ACCEPTED)
+
+
+class PoolRunWeightsApi(StaffAPIView):
+    @extend_schema(
+        request=RunWeightsInput,
+        responses={200: PoolDetailOutput},
+        summary="Set attached runs' fair-share weights (staff)",
+    )
+    def post(self, request, name):
+        pool = self.pool(name)
+        data = RunWeightsInput(data=_body(request))
+        data.is_valid(raise_exception=True)
+        try:
+            pool = services.pool_set_run_weights(
+                pool=pool, run_weights=data.validated_data["run_weights"]
+            )
+        except services.PoolInvalid as exc:
+            raise serializers.ValidationError(exc.errors) from None
+        return Response(PoolDetailOutput(pool).data)
 
 
 class PoolStartApi(StaffAPIView):

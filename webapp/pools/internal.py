@@ -53,6 +53,7 @@ def config(request: HttpRequest, pool_id: str):
             "max_lora_rank": pool.max_lora_rank,
             "lora_target_modules": pool.lora_target_modules,
             "max_loaded_adapters": pool.max_loaded_adapters,
+            "run_weights": pool.run_weights,
         }
     )
 
@@ -104,7 +105,8 @@ def status(request: HttpRequest, pool_id: str):
 
 @csrf_exempt
 async def watch(request: HttpRequest, pool_id: str):
-    """``{"replicas", "status"}`` once either differs from ``?replicas=&status=`` (or after ``?wait_s=``)."""
+    """``{"replicas", "status", "run_weights"}`` once replicas or status differ from
+    ``?replicas=&status=`` (or after ``?wait_s=``): a weight change waits for the next answer."""
     pool = await sync_to_async(_admit)(request, pool_id, "GET")
     if isinstance(pool, JsonResponse):
         return pool
@@ -116,12 +118,14 @@ async def watch(request: HttpRequest, pool_id: str):
     status_now = request.GET.get("status", "")
 
     def changed() -> dict | None:
-        row = Pool.objects.filter(pk=pool.pk).values("replicas", "status").get()
+        row = Pool.objects.filter(pk=pool.pk).values("replicas", "status", "run_weights").get()
         return row if (row["replicas"], row["status"]) != (replicas, status_now) else None
 
     row = await _long_poll(changed, wait_s)
     if row is None:
         row = await sync_to_async(
-            lambda: Pool.objects.filter(pk=pool.pk).values("replicas", "status").get()
+            lambda: (
+                Pool.objects.filter(pk=pool.pk).values("replicas", "status", "run_weights").get()
+            )
         )()
     return JsonResponse(row)

@@ -59,7 +59,9 @@ class Pool(models.Model):
     max_loaded_adapters = models.PositiveIntegerField(
         default=8,
         validators=[MinValueValidator(1)],
-        help_text="Adapters one server keeps loaded and batches together (--max-loras-per-batch).",
+        help_text="Adapters one server keeps loaded and batches together (--max-loaded-loras, "
+        "--max-loras-per-batch); past it the least recently used idle one is evicted and "
+        "reloaded when its run's next request comes.",
     )
     max_sessions_per_run = models.PositiveIntegerField(
         default=0, help_text="Open sessions one attached run may hold in the pool (0: no limit)."
@@ -67,6 +69,12 @@ class Pool(models.Model):
     max_requests_per_run = models.PositiveIntegerField(
         default=0,
         help_text="Generation requests one attached run may have in flight (0: no limit).",
+    )
+    run_weights = models.JSONField(
+        default=dict,
+        blank=True,
+        help_text="Each attached run's weight (by run id) in the servers' fair share of the batch; "
+        "runs not named weigh 1 (torch engine servers; applied within 30 s).",
     )
     error = models.TextField(blank=True)
     job_id = models.CharField(max_length=200, blank=True)
@@ -79,6 +87,20 @@ class Pool(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    def clean(self) -> None:
+        from django.core.exceptions import ValidationError
+
+        weights = self.run_weights
+        if not isinstance(weights, dict) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")
+            for v in weights.values()
+        ):
+            raise ValidationError(
+                {
+                    "run_weights": 'Give {"<run id>": <positive number>, ...}; a run not named weighs 1.'
+                }
+            )
 
 
 class PoolServer(models.Model):

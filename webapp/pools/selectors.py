@@ -80,9 +80,15 @@ def pool_attach_errors(*, config: RunConfig) -> dict[str, list[str]]:
 
 
 def pool_stats(*, pool: Pool) -> dict:
-    """What the pool page and the REST detail show: servers, attached runs and their adapters."""
+    """What the pool page and the REST detail show: servers, attached runs with their adapter,
+    tokens/s and queue depth, and the adapters the servers hold (``serving``)."""
     from rl_core.inference.adapters import current_adapter
+    from webapp.pools import serving
 
+    urls = pool_server_urls(pool=pool)
+    states = serving.server_states(urls)
+    reporting = [s for s in states.values() if s is not None]
+    figures = serving.per_run(states)
     runs = []
     for run in pool_runs(pool=pool):
         adapter = current_adapter(
@@ -90,6 +96,9 @@ def pool_stats(*, pool: Pool) -> dict:
             run.weight_version,
             lora_rank=int(run.config.get("lora_rank") or 0),
             init_checkpoint=run.config.get("init_checkpoint") or None,
+        )
+        load = figures.get(
+            str(run.id), {"running_requests": 0, "queue_depth": 0, "tokens_per_s": 0.0}
         )
         runs.append(
             {
@@ -100,10 +109,14 @@ def pool_stats(*, pool: Pool) -> dict:
                 "weight_version": run.weight_version,
                 "adapter": adapter,
                 "sessions_open": run.sessions_open,
+                # None: no server reports per-run figures (SGLang, or none up)
+                **(load if reporting else dict.fromkeys(load)),
             }
         )
     return {
-        "servers": pool_server_urls(pool=pool),
+        "servers": urls,
+        "servers_reporting": len(reporting),
         "runs": runs,
-        "loaded_adapters": [r["adapter"] for r in runs if r["adapter"]],
+        "loaded_adapters": sorted({a for s in reporting for a in s.get("loaded_adapters", [])}),
+        "evicted_adapters": sorted({a for s in reporting for a in s.get("evicted_adapters", [])}),
     }

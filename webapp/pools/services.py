@@ -161,6 +161,18 @@ def pool_stop(*, pool: Pool) -> Pool:
     return pool
 
 
+def pool_set_run_weights(*, pool: Pool, run_weights: dict) -> Pool:
+    """Each attached run's weight in the servers' fair share of the batch (run id → weight;
+    a run not named weighs 1); the pool's job passes them to its torch engine servers."""
+    pool.run_weights = run_weights
+    try:
+        pool.clean()
+    except ValidationError as exc:
+        raise PoolInvalid(exc.message_dict) from None
+    pool.save(update_fields=["run_weights", "updated_at"])
+    return pool
+
+
 def pool_scale(*, pool: Pool, replicas: int) -> Pool:
     """Set how many servers the pool runs; its job starts or stops servers to match."""
     if errors := _check_replicas(replicas):

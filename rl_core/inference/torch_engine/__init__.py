@@ -18,7 +18,10 @@ Endpoints (field names as SGLang's ``http_server.py`` / ``io_struct.py``):
 (``weight_update``), ``POST /abort_request``, ``POST /slow_down``,
 ``GET|POST /flush_cache``, ``GET /health``, ``GET /health_generate``,
 ``GET /get_model_info`` = ``/model_info``, ``GET /get_server_info`` = ``/server_info``,
-``GET /get_weight_version`` = ``/weight_version``, ``GET /v1/models``.
+``GET /get_weight_version`` = ``/weight_version``, ``GET /v1/models``; LoRA:
+``POST /load_lora_adapter``, ``POST /unload_lora_adapter`` (``lora.py``, with
+``--max-loaded-loras`` evicting idle adapters and reloading them on demand); Steep's own
+``POST /set_fair_share_weights`` (per-run weights of the batch's fair share, ``fair.py``).
 
 Semantics that RL relies on:
 
@@ -37,7 +40,8 @@ Semantics that RL relies on:
   ``finish_reason {"type": "abort"}`` with the tokens generated so far. Requests
   that arrive while paused wait until ``/continue_generation``.
 
-Scheduling is continuous batching over a left-padded KV cache; model compute
+Scheduling is continuous batching over a left-padded KV cache, admitting waiting requests
+by a weighted fair share per run (``fair.py``; server info reports per-run figures); model compute
 never runs on the HTTP event loop. Targets full-attention decoder models (Llama,
 Qwen2/3, Mistral without sliding window); models with sliding-window or
 recurrent layers are not supported.

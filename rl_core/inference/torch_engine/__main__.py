@@ -4,7 +4,7 @@
         [--host 127.0.0.1] [--max-running-requests 32] [--weight-version 0] \\
         [--num-threads N] [--dtype float32] [--device cpu] [--context-length N] \\
         [--parent-pid PID] [--enable-lora [--max-lora-rank R] [--lora-target-modules M ...]
-        [--max-loras-per-batch N]]
+        [--max-loras-per-batch N] [--max-loaded-loras N]]
 """
 
 from __future__ import annotations
@@ -86,6 +86,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="Most distinct adapters in one running batch; more wait.",
     )
     parser.add_argument(
+        "--max-loaded-loras",
+        type=int,
+        default=None,
+        help="Most adapters held in memory; loading one more evicts the least recently used "
+        "idle one, reloaded from its path when a request names it (default: no limit).",
+    )
+    parser.add_argument(
         "--parent-pid",
         type=int,
         default=None,
@@ -130,6 +137,7 @@ def main(argv: list[str] | None = None) -> None:
             target_modules=args.lora_target_modules,
             max_lora_rank=args.max_lora_rank,
             max_loras_per_batch=args.max_loras_per_batch,
+            max_loaded_loras=args.max_loaded_loras,
         )
     engine = TorchEngine(
         model,

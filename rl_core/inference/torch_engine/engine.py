@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from rl_core.inference.torch_engine.fair import FairQueue, TokenRates
 from rl_core.inference.torch_engine.kv_cache import PaddedBatchCache, make_cache
 from rl_core.inference.torch_engine.lora import AdapterSet
 from rl_core.inference.torch_engine.penalties import apply_penalties, penalised
@@ -88,7 +89,8 @@ class TorchEngine:
             )
 
         self._cond = threading.Condition()
-        self._waiting: collections.deque[GenerateRequest] = collections.deque()  # guarded by _cond
+        # Waiting requests per run, admitted by weighted fair share (fair.py); guarded by _cond.
+        self._waiting = FairQueue(max_running_requests)
         self._commands: list[Callable[[], None]] = []  # guarded by _cond
         # Run only when no request is running; guarded by _cond.
         self._idle_commands: list[Callable[[], None]] = []
@@ -113,6 +115,8 @@ class TorchEngine:
             "last_swap_seconds": 0.0,  # how long the last weight swap held the scheduler
             "busy_seconds": 0.0,  # wall time in scheduler steps (prefill + decode): utilisation
         }
+        self.tokens_by_tenant: collections.Counter[str] = collections.Counter()  # generated
+        self.token_rates = TokenRates()  # the same over the last seconds: tokens/s per run
         self._thread = threading.Thread(
             target=self._run, name="torch-engine-scheduler", daemon=True
         )
@@ -182,14 +186,44 @@ class TorchEngine:
 
     def snapshot(self) -> dict[str, Any]:
         with self._cond:
-            waiting, paused = len(self._waiting), self._paused
+            depth, paused = self._waiting.depth(), self._paused
+            weights = dict(self._waiting.weights)
+        running = collections.Counter(r.tenant for r in list(self._running))
+        rates = self.token_rates.per_second(time.monotonic())
+        tenants = {
+            tenant: {
+                "running_reqs": running.get(tenant, 0),
+                "waiting_reqs": depth.get(tenant, 0),
+                "generated_tokens": self.tokens_by_tenant.get(tenant, 0),
+                "tokens_per_s": rates.get(tenant, 0.0),
+                "weight": weights.get(tenant, 1.0),
+            }
+            for tenant in sorted(set(running) | set(depth) | set(self.tokens_by_tenant))
+        }
+        if self.adapters is not None:
+            adapters = {
+                "loaded_adapters": sorted(self.adapters.loaded()),
+                "evicted_adapters": self.adapters.evicted(),
+                "num_adapter_evictions": self.adapters.evictions,
+                "num_adapter_reloads": self.adapters.reloads,
+            }
+        else:
+            adapters = {}
         return {
             "num_running_reqs": len(self._running),
-            "num_waiting_reqs": waiting,
+            "num_waiting_reqs": sum(depth.values()),
+            **adapters,
             "paused": paused,
             "weight_version": self.weight_version,
+            "tenants": tenants,  # per run (adapter name without its version): fair.py
+            "fair_share_weights": weights,
             **self.stats,
         }
+
+    def set_fair_share_weights(self, weights: dict[str, float]) -> None:
+        """Each run's weight in the batch's fair share (fair.py); runs not named weigh 1."""
+        with self._cond:
+            self._waiting.set_weights(weights)
 
     # ----- commands (run on the scheduler thread)
 
@@ -346,14 +380,7 @@ class TorchEngine:
         admitted: list[GenerateRequest] = []
         with self._cond:
             if not self._paused and not self._idle_commands:
-                in_batch = [r.adapter for r in self._running]
-                for req in list(self._waiting):
-                    if len(self._running) + len(admitted) >= self.max_running_requests:
-                        break
-                    if self.adapters is None or self.adapters.fits(in_batch, req.adapter):
-                        self._waiting.remove(req)  # else it waits: --max-loras-per-batch
-                        admitted.append(req)
-                        in_batch.append(req.adapter)
+                admitted = self._waiting.pick(self._running, self._fits)
         for req in admitted:
             try:
                 self._prefill(req)
@@ -364,6 +391,13 @@ class TorchEngine:
             self._decode()
             if self.forward_sleep_time:
                 time.sleep(self.forward_sleep_time)
+
+    def _fits(self, req: GenerateRequest, admitted: list[GenerateRequest]) -> bool:
+        """Whether ``req`` may join beside ``admitted``: SGLang's ``--max-loras-per-batch``."""
+        if self.adapters is None:
+            return True
+        in_batch = [r.adapter for r in self._running] + [r.adapter for r in admitted]
+        return self.adapters.fits(in_batch, req.adapter)
 
     def _prefill(self, req: GenerateRequest) -> None:
         """Run the prompt alone (no padding), sample the first token, join the batch."""
@@ -429,6 +463,7 @@ class TorchEngine:
         # (rl_core.sampling): log_softmax(logits / T); greedy requests at T = 1.
         temps = torch.tensor([[logprob_temperature(r.params.temperature)] for r in reqs])  # [B, 1]
         logprobs = torch.log_softmax(logits / temps, dim=-1)  # [B, V]
+        self.token_rates.add(collections.Counter(r.tenant for r in reqs), time.monotonic())
         for i, req in enumerate(reqs):
             token = self._sample(logits[i], req)
             req.output_ids.append(token)
@@ -440,6 +475,7 @@ class TorchEngine:
                     list(zip(top.values.tolist(), top.indices.tolist(), strict=True))
                 )
             self.stats["num_generated_tokens"] += 1
+            self.tokens_by_tenant[req.tenant] += 1
             finish = self._check_finish(req)
             if finish is not None:
                 self._finish(req, finish)

@@ -15,7 +15,14 @@ have finished; they are never aborted.
 Names and values of the launch flags are SGLang's: ``--enable-lora``, ``--max-lora-rank``,
 ``--lora-target-modules`` (module names, or ``all``), ``--max-loras-per-batch`` (the most
 distinct adapters in one running batch; the base model is not counted; requests beyond
-wait in the queue).
+wait in the queue), ``--max-loaded-loras`` (the most adapters held in memory).
+
+Eviction (Steep's, for shared pools; SGLang refuses a load past ``--max-loaded-loras``):
+when an adapter must load and the limit is reached, the least recently used *idle* one
+(no request under it, not ``pinned``) is dropped from memory but its name and path are
+kept; a ``/generate`` naming it loads it again from that path first (``reload``), so a run
+whose adapter was evicted while its agents were quiet gets it back on its next request.
+When every loaded adapter is busy or pinned the load is refused.
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ class Adapter:
     scale: float
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
     users: int = 0  # requests admitted under it and not finished; guarded by AdapterSet._lock
+    pinned: bool = False  # never evicted (SGLang's ``pinned``)
     idle: threading.Event = field(default_factory=threading.Event)
 
     def __post_init__(self) -> None:
@@ -121,12 +129,23 @@ class AdapterSet:
         target_modules: list[str] | None = None,
         max_lora_rank: int | None = None,
         max_loras_per_batch: int = 8,
+        max_loaded_loras: int | None = None,
     ):
         self.target_modules = list(target_modules or [ALL_MODULES])
         self.max_lora_rank = max_lora_rank
         self.max_loras_per_batch = max_loras_per_batch
+        if max_loaded_loras is not None and max_loaded_loras < max_loras_per_batch:
+            raise ValueError(
+                f"--max-loaded-loras ({max_loaded_loras}) must be at least "
+                f"--max-loras-per-batch ({max_loras_per_batch}), as in SGLang"
+            )
+        self.max_loaded_loras = max_loaded_loras
         self._lock = threading.Lock()
-        self._adapters: dict[str, Adapter] = {}  # guarded by _lock
+        # Least recently used first (``acquire`` moves an adapter to the end); guarded by _lock.
+        self._adapters: dict[str, Adapter] = {}
+        self._evicted: dict[str, str] = {}  # name → path, reloaded on demand; guarded by _lock
+        self.evictions = 0
+        self.reloads = 0
         # The running forward's rows grouped by adapter (scheduler thread only).
         self._groups: list[tuple[Adapter, torch.Tensor | None]] = []
         self._handles: list[Any] = []
@@ -201,8 +220,11 @@ class AdapterSet:
 
     # ----- the registry
 
-    def load(self, name: str, path: str) -> None:
-        """Read the adapter at ``path`` and serve it as ``name``; raises ``AdapterLoadError``."""
+    def load(self, name: str, path: str, *, pinned: bool = False) -> None:
+        """Read the adapter at ``path`` and serve it as ``name``; raises ``AdapterLoadError``.
+
+        At ``max_loaded_loras`` the least recently used idle adapter is evicted first.
+        """
         with self._lock:
             if name in self._adapters:
                 raise AdapterLoadError(f"A LoRA adapter named {name!r} is already loaded.")
@@ -215,16 +237,57 @@ class AdapterSet:
                 f"{path} adapts modules outside --lora-target-modules {self.target_modules} "
                 f"or absent from the model: {unknown[:3]}"
             )
-        adapter = Adapter(name=name, path=str(path), rank=rank, scale=scale, weights=weights)
+        adapter = Adapter(
+            name=name, path=str(path), rank=rank, scale=scale, weights=weights, pinned=pinned
+        )
         with self._lock:
             if name in self._adapters:
                 raise AdapterLoadError(f"A LoRA adapter named {name!r} is already loaded.")
+            if self.max_loaded_loras is not None and len(self._adapters) >= self.max_loaded_loras:
+                self._evict_one()
             self._adapters[name] = adapter
+            self._evicted.pop(name, None)
 
-    def unregister(self, name: str) -> Adapter:
-        """Stop admitting requests under ``name``; wait on the result's ``idle`` to free it."""
+    def _evict_one(self) -> None:
+        victim = next((a for a in self._adapters.values() if a.users == 0 and not a.pinned), None)
+        if victim is None:
+            raise AdapterLoadError(
+                f"All {len(self._adapters)} loaded LoRA adapters (--max-loaded-loras) are "
+                "serving requests or pinned; retry when one is idle."
+            )
+        del self._adapters[victim.name]
+        self._evicted[victim.name] = victim.path
+        self.evictions += 1
+
+    def reload(self, name: str) -> bool:
+        """Load ``name`` again if it was evicted (on any thread but the scheduler's: it reads
+        the weights from disk). False when it is loaded already or was never evicted."""
+        with self._lock:
+            path = self._evicted.get(name)
+            if path is None or name in self._adapters:
+                return False
+        try:
+            self.load(name, path)
+        except AdapterLoadError:
+            with self._lock:
+                if name in self._adapters:  # a concurrent request reloaded it first
+                    return False
+            raise
+        with self._lock:
+            self.reloads += 1
+        return True
+
+    def evicted(self) -> list[str]:
+        with self._lock:
+            return sorted(self._evicted)
+
+    def unregister(self, name: str) -> Adapter | None:
+        """Stop admitting requests under ``name``; wait on the result's ``idle`` to free it
+        (None: it was evicted, so only its name is forgotten)."""
         with self._lock:
             adapter = self._adapters.pop(name, None)
+            if adapter is None and self._evicted.pop(name, None) is not None:
+                return None
             if adapter is None:
                 raise AdapterLoadError(
                     f"LoRA adapter {name!r} is not loaded. Loaded adapters: {sorted(self._adapters)}."
@@ -246,6 +309,7 @@ class AdapterSet:
                 )
             adapter.users += 1
             adapter.idle.clear()
+            self._adapters[name] = self._adapters.pop(name)  # most recently used: last
             return adapter
 
     def release(self, adapter: Adapter) -> None:

@@ -181,6 +181,7 @@ class GenerateRequest:
         self.stream = stream
         self.lora_path = lora_path  # the adapter's name (SGLang's field name); None: the base model
         self.adapter: Any = None  # the engine's loaded Adapter while the request holds it
+        self.tenant = ""  # the run it is scheduled for (fair.tenant_of), set when queued
         self.created = time.monotonic()
         self.output_ids: list[int] = []
         self.output_logprobs: list[float] = []
@@ -371,15 +372,14 @@ def parse_slow_down_request(body: Any) -> float | None:
 # --------------------------------------------------------------------------- LoRA adapters
 
 
-def parse_load_lora_request(body: Any) -> tuple[str, str]:
-    """``/load_lora_adapter``: ``(lora_name, lora_path)``; ``pinned`` is accepted (nothing is evicted)."""
+def parse_load_lora_request(body: Any) -> tuple[str, str, bool]:
+    """``/load_lora_adapter``: ``(lora_name, lora_path, pinned)``; a pinned one is never evicted."""
     if not isinstance(body, dict):
         raise BadRequest("The request body must be a JSON object.")
     name, path = body.get("lora_name"), body.get("lora_path")
     if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
         raise BadRequest("load_lora_adapter needs lora_name and lora_path (non-empty strings).")
-    as_bool("pinned", body.get("pinned", False))
-    return name, path
+    return name, path, as_bool("pinned", body.get("pinned", False))
 
 
 def parse_unload_lora_request(body: Any) -> str:

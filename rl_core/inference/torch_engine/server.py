@@ -106,6 +106,13 @@ async def generate(request: web.Request) -> web.StreamResponse:
         raise BadRequest(
             f"The input ({len(req.input_ids)} tokens) is longer than the model's context length ({engine.context_length} tokens)."
         )
+    if req.lora_path is not None and engine.adapters is not None:
+        try:  # evicted while its run was quiet: read it again, beside the scheduler
+            await asyncio.to_thread(engine.adapters.reload, req.lora_path)
+        except (ValueError, OSError) as exc:
+            raise BadRequest(
+                f"LoRA adapter {req.lora_path!r} was evicted and cannot be reloaded: {exc}"
+            ) from None
     updates = _updates_of(req)
     engine.submit(req)
     try:
@@ -252,11 +259,11 @@ def _lora_answer(engine: TorchEngine, error: str | None) -> web.Response:
 
 async def load_lora_adapter(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
-    name, path = parse_load_lora_request(await _json_body(request))
+    name, path, pinned = parse_load_lora_request(await _json_body(request))
     if engine.adapters is None:
         return _lora_answer(engine, "LoRA is not enabled: start the server with --enable-lora.")
     try:  # reading the weights runs beside the scheduler: serving never pauses
-        await asyncio.to_thread(engine.adapters.load, name, path)
+        await asyncio.to_thread(engine.adapters.load, name, path, pinned=pinned)
     except (ValueError, OSError) as exc:
         return _lora_answer(engine, f"Failed to load LoRA adapter {name!r}: {exc}")
     return _lora_answer(engine, None)
@@ -272,9 +279,29 @@ async def unload_lora_adapter(request: web.Request) -> web.Response:
         adapter = engine.adapters.unregister(name)
     except ValueError as exc:
         return _lora_answer(engine, str(exc))
-    while not adapter.idle.is_set():  # its requests finish (or are aborted) on their own
+    while (
+        adapter is not None and not adapter.idle.is_set()
+    ):  # its requests finish (or are aborted) on their own
         await asyncio.to_thread(adapter.idle.wait, 1.0)
     return _lora_answer(engine, None)
+
+
+async def set_fair_share_weights(request: web.Request) -> web.Response:
+    """Steep's extension (SGLang has no such route): ``{"weights": {run: weight}}``, each
+    run's (adapter name without ``-v<N>``) weight in the batch's fair share (``fair.py``)."""
+    engine = request.app[ENGINE]
+    body = await _json_body(request)
+    weights = body.get("weights") if isinstance(body, dict) else None
+    if not isinstance(weights, dict) or not all(
+        isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
+        for k, v in weights.items()
+    ):
+        raise BadRequest('set_fair_share_weights needs {"weights": {"<run>": <number>, ...}}.')
+    try:
+        engine.set_fair_share_weights({k: float(v) for k, v in weights.items()})
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from None
+    return _ok("Fair share weights set.")
 
 
 # --------------------------------------------------------------------------- information
@@ -338,6 +365,7 @@ ROUTES = [
     web.post("/slow_down", slow_down),
     web.post("/load_lora_adapter", load_lora_adapter),
     web.post("/unload_lora_adapter", unload_lora_adapter),
+    web.post("/set_fair_share_weights", set_fair_share_weights),
     web.get("/flush_cache", flush_cache),
     web.post("/flush_cache", flush_cache),
     web.get("/get_model_info", get_model_info),
