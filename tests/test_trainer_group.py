@@ -62,6 +62,15 @@ def _config(model_dir, **overrides) -> RunConfig:
     )
 
 
+def _group(config: RunConfig):
+    """The trainer workers of ``config``, one CPU and one torch thread each."""
+    from workers.trainer_group import TrainerGroup
+
+    return TrainerGroup(
+        config, bundle={"CPU": 1.0}, placement_timeout_s=120, env={"STEEP_TORCH_THREADS": "1"}
+    )
+
+
 def _batch() -> list[Trajectory]:
     g = torch.Generator().manual_seed(0)
     trajs = []
@@ -81,14 +90,7 @@ def _weights(path) -> dict[str, torch.Tensor]:
 
 
 def test_two_trainer_actors_train_save_and_resume(local_ray, tiny_model_dir, tmp_path):
-    from workers.trainer_group import TrainerGroup
-
-    group = TrainerGroup(
-        _config(tiny_model_dir),
-        bundle={"CPU": 1.0},
-        placement_timeout_s=120,
-        env={"STEEP_TORCH_THREADS": "1"},
-    )
+    group = _group(_config(tiny_model_dir))
     try:
         assert group.version == 0
         batch = _batch()
@@ -124,14 +126,7 @@ def test_one_trainer_actor_writes_a_checkpoint_snapshot_beside_its_next_step(
     # checkpoint holds the step it was taken at.
     from concurrent.futures import ThreadPoolExecutor
 
-    from workers.trainer_group import TrainerGroup
-
-    group = TrainerGroup(
-        _config(tiny_model_dir, train_workers=1),
-        bundle={"CPU": 1.0},
-        placement_timeout_s=120,
-        env={"STEEP_TORCH_THREADS": "1"},
-    )
+    group = _group(_config(tiny_model_dir, train_workers=1))
     try:
         batch = _batch()
         group.train_step(batch)
@@ -152,14 +147,7 @@ def test_one_trainer_actor_writes_a_checkpoint_snapshot_beside_its_next_step(
 
 
 def test_two_trainer_actors_save_their_checkpoints_in_step(local_ray, tiny_model_dir):
-    from workers.trainer_group import TrainerGroup
-
-    group = TrainerGroup(
-        _config(tiny_model_dir),
-        bundle={"CPU": 1.0},
-        placement_timeout_s=120,
-        env={"STEEP_TORCH_THREADS": "1"},
-    )
+    group = _group(_config(tiny_model_dir))
     try:
         assert group.checkpoint_snapshot() is None  # a sharded save is a collective
     finally:
