@@ -18,7 +18,8 @@ from django.utils import timezone
 from webapp.gateway.models import InferenceServer
 from webapp.runs.jobs import job_release, job_secret_issue
 from webapp.runs.models import Run, RunEvent
-from webapp.runs.services import IllegalTransition, run_queue, run_transition
+from webapp.runs.queueing import run_wait_reason
+from webapp.runs.services import IllegalTransition, run_queue, run_transition, run_wait
 from workers.ray_cluster import (
     RayCluster,
     RayUnavailable,
@@ -98,13 +99,18 @@ def _submit(run: Run) -> str:
 def run_launch(*, run_id: str) -> str:
     """Submit a queued run as a Ray job with a fresh job secret; the run becomes ``starting``.
 
-    Returns the job id, ``"skipped"`` when the run is gone or no longer queued, or
+    A run the cluster has no room for now stays ``queued`` with the reason
+    (``webapp.runs.queueing``) and ``"queued"`` is returned: ``runs_reconcile`` tries again.
+    Otherwise returns the job id, ``"skipped"`` when the run is gone or no longer queued, or
     ``"failed"`` when the submission failed: the run is then ``failed`` with the reason
     (``"interrupted"`` when it failed because Steep was being stopped: ``runs_interrupt``).
     """
     run = Run.objects.filter(pk=run_id).first()
     if run is None or run.status != S.QUEUED:
         return "skipped"
+    if reason := run_wait_reason(run=run):
+        run_wait(run=run, reason=reason)
+        return "queued"
     try:
         return _submit(run)
     except IllegalTransition as exc:  # stopped or launched by someone else meanwhile
@@ -156,9 +162,14 @@ def run_shutdown(*, run_id: str, grace_s: float = 120.0) -> str:
 
 def runs_reconcile() -> dict:
     """Find runs whose Ray job died (worker restart, reboot, crash) and hand each to
-    ``run_job_died``. (A clean stop of Steep makes its runs ``interrupted`` first, so they are
-    not seen here: see ``runs_interrupt``.)"""
-    summary = {"restarted": 0, "failed": 0}
+    ``run_job_died``, and launch queued runs that waited for the cluster, oldest first, when
+    it has room for them. (A clean stop of Steep makes its runs ``interrupted`` first, so they
+    are not seen here: see ``runs_interrupt``.)"""
+    summary = {"restarted": 0, "failed": 0, "launched": 0}
+    waiting = Run.objects.filter(status=S.QUEUED).exclude(queue_reason="").order_by("queued_at")
+    for run in waiting:
+        if run_launch(run_id=str(run.id)) not in ("queued", "skipped"):
+            summary["launched"] += 1
     # A launch that never got its job submitted (its worker was killed meanwhile).
     lost = Run.objects.filter(
         status=S.STARTING, job_id="", updated_at__lt=timezone.now() - LAUNCH_TIMEOUT
