@@ -151,3 +151,87 @@ def test_the_walkthrough_runs_as_printed_against_steep_up(steep_up, tmp_path):
     ]
     assert sum(s.trajectory == "trained" for s in played) >= 8, stack.log_tail()
     assert Run.objects.get(pk=run.pk).status == "running"
+
+
+def _dashboard_login(url: str, data_dir: Path):
+    """A browser session of ``./steep up``'s admin (its printed password), CSRF included."""
+    import httpx
+
+    browser = httpx.Client(base_url=url, timeout=30)
+    browser.get("/login/").raise_for_status()
+    password = (data_dir / "admin-password.txt").read_text().strip()
+    form = {"username": "admin", "password": password}
+    assert _post(browser, "/login/", form).status_code == 302
+    return browser
+
+
+def _post(browser, path: str, data: dict, **kwargs):
+    token = browser.cookies["csrftoken"]
+    return browser.post(path, data={**data, "csrfmiddlewaretoken": token}, **kwargs)
+
+
+@pytest.mark.slow
+def test_a_second_projects_lora_run_started_from_the_dashboard_trains_on_the_demo_pool(steep_up):
+    """Issue 17 item 5: beside the online demo run, on the demo pool's one engine."""
+    import json
+
+    from rl_core.toy import DEMO_REWARD, demo_rows
+    from tests.web.test_dashboard_forms import browser_defaults
+    from webapp.accounts.models import Project
+    from webapp.datasets.models import Dataset
+    from webapp.gateway.models import InferenceServer
+    from webapp.pools.models import Pool, PoolServer
+    from webapp.runs.models import Run
+
+    stack, data_dir, _ = steep_up
+    demo = demo_env(data_dir)
+    browser = _dashboard_login(demo["STEEP_URL"], data_dir)
+    demo_project = Run.objects.get(pk=demo["STEEP_RUN"]).project
+    # The demo's dataset run is not part of this: its cores go to the two runs on the pool.
+    dataset_run = Run.objects.get(project=demo_project, mode="dataset")
+    stopped = _post(browser, f"/projects/{demo_project.id}/runs/{dataset_run.id}/stop/", {})
+    assert stopped.status_code == 302
+
+    assert _post(browser, "/projects/", {"name": "second"}).status_code == 302
+    project = Project.objects.get(name="second")
+    rows = "".join(json.dumps(row) + "\n" for row in demo_rows(64)).encode()
+    files = {"file": ("letters.jsonl", rows, "application/jsonl")}
+    uploaded = _post(browser, f"/projects/{project.id}/datasets/", {"name": "l"}, files=files)
+    assert uploaded.status_code == 302, uploaded.text
+    dataset = Dataset.objects.get(project=project)
+    form = browser_defaults(
+        name="second: a LoRA run on the demo pool",
+        mode="dataset",
+        dataset=str(dataset.id),
+        base_model=str(data_dir / "models" / "tiny-chat"),
+        reward=json.dumps(DEMO_REWARD),
+        lora_rank="8",
+        lora_alpha="16",
+        learning_rate="0.02",
+        inference_pool="demo",
+        batch_size="8",
+        group_size="4",
+        max_new_tokens="4",
+    )
+    created = _post(browser, f"/projects/{project.id}/runs/new/", form)
+    assert created.status_code == 302, created.text
+    second = Run.objects.get(project=project)
+    assert _post(browser, f"/projects/{project.id}/runs/{second.id}/start/", {}).status_code == 302
+
+    online = Run.objects.get(pk=demo["STEEP_RUN"])
+    start = online.step
+    wait_for(
+        lambda: (
+            Run.objects.get(pk=second.pk).step >= 2
+            and Run.objects.get(pk=online.pk).step >= start + 2
+        ),
+        420,
+        f"two steps of each run on the demo pool\n{stack.log_tail()}",
+        interval=2,
+    )
+    pool = Pool.objects.get(name="demo")
+    (server,) = PoolServer.objects.filter(pool=pool).values_list("url", flat=True)
+    for run in (online, second):  # one engine process serves both runs' adapters
+        urls = set(InferenceServer.objects.filter(run=run).values_list("url", flat=True))
+        assert urls == {server}, (run.name, urls, server)
+        assert Run.objects.get(pk=run.pk).status == "running"
