@@ -13,11 +13,12 @@ from collections.abc import Callable
 from datetime import timedelta
 
 from django.conf import settings
+from django.db import transaction
 from django.utils import timezone
 
 from webapp.gateway.models import InferenceServer
 from webapp.runs.jobs import job_release, job_secret_issue
-from webapp.runs.models import Run, RunEvent
+from webapp.runs.models import ClusterReport, Run, RunEvent
 from webapp.runs.queueing import run_wait_reason
 from webapp.runs.services import IllegalTransition, run_queue, run_transition, run_wait
 from workers.ray_cluster import (
@@ -51,11 +52,27 @@ def steep_cluster() -> RayCluster:
     )
 
 
+def _start_or_wait(run: Run) -> str:
+    """Move the queued ``run`` to starting, or keep it queued with the reason, which is returned,
+    when the cluster has no room for it now (``webapp.runs.queueing``).
+
+    One launch decides at a time (the cluster report's row lock; on SQLite every transaction
+    is IMMEDIATE), so two workers' launches cannot both count the last free GPU as theirs.
+    """
+    with transaction.atomic():
+        list(ClusterReport.objects.select_for_update())
+        if reason := run_wait_reason(run=run):
+            run_wait(run=run, reason=reason)
+            return reason
+        # The previous attempt's job id goes first: until the new job is submitted, the
+        # reconciler would find that one gone and take the starting run for a crashed one.
+        Run.objects.filter(pk=run.pk).update(job_id="")
+        run_transition(run=run, to=S.STARTING, message="A worker is submitting the run to Ray.")
+    return ""
+
+
 def _submit(run: Run) -> str:
-    # The previous attempt's job id goes first: until the new job is submitted, the
-    # reconciler would find that one gone and take the starting run for a crashed one.
-    Run.objects.filter(pk=run.pk).update(job_id="")
-    run = run_transition(run=run, to=S.STARTING, message="A worker is submitting the run to Ray.")
+    run.refresh_from_db()
     InferenceServer.objects.filter(run=run).delete()  # servers of a previous attempt are gone
     job_release(run=run)
     secret = job_secret_issue(run=run)
@@ -108,10 +125,9 @@ def run_launch(*, run_id: str) -> str:
     run = Run.objects.filter(pk=run_id).first()
     if run is None or run.status != S.QUEUED:
         return "skipped"
-    if reason := run_wait_reason(run=run):
-        run_wait(run=run, reason=reason)
-        return "queued"
     try:
+        if _start_or_wait(run):
+            return "queued"
         return _submit(run)
     except IllegalTransition as exc:  # stopped or launched by someone else meanwhile
         logger.info("launch of %s skipped: %s", run_id, exc)
