@@ -107,6 +107,22 @@ def test_another_projects_run_is_counted_but_not_named(
     assert "secret" not in run.queue_reason
 
 
+def test_a_dataset_run_counts_its_trainer_and_its_own_server(
+    project, make_run, make_dataset, set_status
+):
+    ClusterReport.objects.create(gpus=0, cpus=3)
+    holder = set_status(make_run(project, name="letters", dataset=make_dataset(project)), S.RUNNING)
+    run = queued(make_run(project, name="next", dataset=make_dataset(project, name="d2")))
+
+    assert run_launch(run_id=str(run.id)) == "queued"
+
+    run.refresh_from_db()
+    assert run.queue_reason == (
+        "waiting for 2 CPUs for the trainer and 1 inference server: 1 of 3 free; "
+        f"run '{holder.name}' holds 2"
+    )
+
+
 def test_a_run_that_fits_is_not_kept_waiting(project, make_run, make_pool, one_gpu, no_ray):
     make_pool(name="shared")  # created, not started: it holds nothing
     run = queued(make_run(project, **LORA))

@@ -26,10 +26,10 @@ from workers.capacity import (
 
 HOLDING_RUNS = (Run.Status.STARTING, Run.Status.RUNNING, Run.Status.STOPPING)
 HOLDING_POOLS = (Pool.Status.STARTING, Pool.Status.RUNNING, Pool.Status.STOPPING)
-# Only what sizes a run: a stored config also holds sealed secrets RunConfig would refuse.
+# Only what sizes a run, read as an online run's: a stored config also holds sealed secrets
+# RunConfig would refuse, and a dataset run's reward, which sizes nothing.
 SIZING_FIELDS = (
     "base_model",
-    "mode",
     "train_workers",
     "num_inference_servers",
     "inference_pool",
@@ -40,7 +40,8 @@ SIZING_FIELDS = (
 
 def _sizing(run: Run) -> RunConfig | None:
     try:
-        return RunConfig.from_dict({k: run.config[k] for k in SIZING_FIELDS if k in run.config})
+        sizing = {k: run.config[k] for k in SIZING_FIELDS if k in run.config}
+        return RunConfig.from_dict({**sizing, "mode": "online"})
     except ConfigError:
         return None
 
