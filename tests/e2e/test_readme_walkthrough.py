@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import test_database_url
-from tests.livestack import ROOT, LiveStack, answers, free_port, steep_env, wait_for
+from tests.e2e.conftest import dashboard_login, dashboard_post, demo_env, steep_up_stack
+from tests.livestack import ROOT, wait_for
 
 SECTION = "## Five-minute walkthrough"
 FENCE = re.compile(
@@ -67,31 +67,12 @@ def walkthrough_script(blocks: list[tuple[str, str, int]], folder: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-def demo_env(data_dir: Path) -> dict[str, str]:
-    return dict(re.findall(r"^export (\w+)=(.*)$", (data_dir / "demo.env").read_text(), re.M))
-
-
 @pytest.fixture
 def steep_up(transactional_db, tmp_path_factory):
     """./steep up: its prepare() (migrate, the tiny model, bootstrap_demo --start), then its
     worker and web server; (the stack, its DATA_DIR, what prepare printed)."""
-    data_dir = tmp_path_factory.mktemp("steep-up-data")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    env = steep_env(
-        data_dir=data_dir, database_url=test_database_url(), site_url=url, local_ray=True
-    )
-    with LiveStack(env=env, log_dir=tmp_path_factory.mktemp("steep-up-logs")) as stack:
-        model = data_dir / "models" / "tiny-chat"
-        stack.manage("migrate", "--noinput", "-v0")
-        subprocess.run(
-            [sys.executable, "-m", "rl_core.tiny", str(model)], env=env, cwd=ROOT, check=True
-        )
-        printed = stack.manage("bootstrap_demo", "--start", "--model", str(model))
-        stack.start_worker()
-        web = stack.start_web(port)
-        stack.wait_ready(web, lambda: answers(f"{url}/login/"), what="the web server")
-        yield stack, data_dir, printed
+    with steep_up_stack(tmp_path_factory) as started:
+        yield started
 
 
 @pytest.mark.slow
@@ -153,23 +134,6 @@ def test_the_walkthrough_runs_as_printed_against_steep_up(steep_up, tmp_path):
     assert Run.objects.get(pk=run.pk).status == "running"
 
 
-def _dashboard_login(url: str, data_dir: Path):
-    """A browser session of ``./steep up``'s admin (its printed password), CSRF included."""
-    import httpx
-
-    browser = httpx.Client(base_url=url, timeout=30)
-    browser.get("/login/").raise_for_status()
-    password = (data_dir / "admin-password.txt").read_text().strip()
-    form = {"username": "admin", "password": password}
-    assert _post(browser, "/login/", form).status_code == 302
-    return browser
-
-
-def _post(browser, path: str, data: dict, **kwargs):
-    token = browser.cookies["csrftoken"]
-    return browser.post(path, data={**data, "csrfmiddlewaretoken": token}, **kwargs)
-
-
 @pytest.mark.slow
 def test_a_second_projects_lora_run_started_from_the_dashboard_trains_on_the_demo_pool(steep_up):
     """Issue 17 item 5: beside the online demo run, on the demo pool's one engine."""
@@ -185,18 +149,22 @@ def test_a_second_projects_lora_run_started_from_the_dashboard_trains_on_the_dem
 
     stack, data_dir, _ = steep_up
     demo = demo_env(data_dir)
-    browser = _dashboard_login(demo["STEEP_URL"], data_dir)
+    browser = dashboard_login(demo["STEEP_URL"], data_dir)
     demo_project = Run.objects.get(pk=demo["STEEP_RUN"]).project
     # The demo's dataset run is not part of this: its cores go to the two runs on the pool.
     dataset_run = Run.objects.get(project=demo_project, mode="dataset")
-    stopped = _post(browser, f"/projects/{demo_project.id}/runs/{dataset_run.id}/stop/", {})
+    stopped = dashboard_post(
+        browser, f"/projects/{demo_project.id}/runs/{dataset_run.id}/stop/", {}
+    )
     assert stopped.status_code == 302
 
-    assert _post(browser, "/projects/", {"name": "second"}).status_code == 302
+    assert dashboard_post(browser, "/projects/", {"name": "second"}).status_code == 302
     project = Project.objects.get(name="second")
     rows = "".join(json.dumps(row) + "\n" for row in demo_rows(64)).encode()
     files = {"file": ("letters.jsonl", rows, "application/jsonl")}
-    uploaded = _post(browser, f"/projects/{project.id}/datasets/", {"name": "l"}, files=files)
+    uploaded = dashboard_post(
+        browser, f"/projects/{project.id}/datasets/", {"name": "l"}, files=files
+    )
     assert uploaded.status_code == 302, uploaded.text
     dataset = Dataset.objects.get(project=project)
     form = browser_defaults(
@@ -213,10 +181,13 @@ def test_a_second_projects_lora_run_started_from_the_dashboard_trains_on_the_dem
         group_size="4",
         max_new_tokens="4",
     )
-    created = _post(browser, f"/projects/{project.id}/runs/new/", form)
+    created = dashboard_post(browser, f"/projects/{project.id}/runs/new/", form)
     assert created.status_code == 302, created.text
     second = Run.objects.get(project=project)
-    assert _post(browser, f"/projects/{project.id}/runs/{second.id}/start/", {}).status_code == 302
+    assert (
+        dashboard_post(browser, f"/projects/{project.id}/runs/{second.id}/start/", {}).status_code
+        == 302
+    )
 
     online = Run.objects.get(pk=demo["STEEP_RUN"])
     start = online.step
