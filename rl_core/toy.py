@@ -119,11 +119,16 @@ DEMO_SETTINGS: dict[str, Any] = {
 }
 
 # ./steep up's online run: trained by whatever agents send (the built-in demo agent plays
-# the toy task), batch by batch; it stays running (max_steps is out of reach).
+# the toy task), batch by batch; it stays running (max_steps is out of reach). It trains a
+# rank-8 adapter, so it can attach to the demo's shared pool (webapp.runs.demo); adapters
+# want a larger learning rate than full fine-tuning: 2e-2 is the one measured on the toy
+# task in tests/rl_core/test_learning.py (LORA_TOY).
 ONLINE_DEMO_SETTINGS: dict[str, Any] = {
     "batch_size": 8,
     "max_staleness": 2,
-    "learning_rate": 1e-3,
+    "lora_rank": 8,
+    "lora_alpha": 16.0,
+    "learning_rate": 2e-2,
     "max_steps": 1_000_000,
     "save_every": 100,
 }

@@ -11,6 +11,7 @@ from workers.capacity import (
     placement_timeout_s,
     resolve_backend,
     run_needs,
+    wait_reason,
 )
 
 GPU_NODE = {"GPU": 8.0, "CPU": 64.0}
@@ -57,3 +58,22 @@ def test_the_placement_timeout_comes_from_the_environment(monkeypatch):
         monkeypatch.setenv("STEEP_PLACEMENT_TIMEOUT_S", bad)
         with pytest.raises(ValueError, match="STEEP_PLACEMENT_TIMEOUT_S"):
             placement_timeout_s()
+
+
+def test_a_run_that_fits_the_totals_but_not_what_is_free_waits_naming_the_holders():
+    run = config(train_workers=1, lora_rank=8, inference_pool="shared")
+    one_gpu = {"GPU": 1.0, "CPU": 16.0}
+    assert wait_reason(run, "sglang", one_gpu, {"pool shared": 1.0}) == (
+        "waiting for 1 GPU for the trainer: 0 of 1 free; pool shared holds 1"
+    )
+    assert wait_reason(run, "sglang", one_gpu, {"pool shared": 0.0}) == ""
+    own = config(train_workers=2, num_inference_servers=2)
+    assert wait_reason(own, "torch", {"CPU": 6.0}, {"pool a": 2.0, "run 'b'": 1.0}) == (
+        "waiting for 4 CPUs for the trainer and 2 inference servers: 3 of 6 free; "
+        "pool a holds 2, run 'b' holds 1"
+    )
+
+
+def test_a_run_larger_than_the_whole_cluster_is_not_kept_waiting():
+    # Nothing that stops would ever free enough: check_capacity refuses it with the numbers.
+    assert wait_reason(config(train_workers=4), "sglang", {"GPU": 2.0}, {"pool a": 2.0}) == ""

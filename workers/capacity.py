@@ -5,8 +5,9 @@ servers (none when it attaches to a shared pool, whose servers are the pool's). 
 SGLang server (the torch engine takes a CPU); on a CPU-only cluster each takes one CPU.
 ``check_capacity`` compares that with the cluster's totals (``ray.cluster_resources()``)
 and refuses a run that could never be placed, naming the numbers; a run that fits the
-totals but not what is free now waits for its placement group up to
-``placement_timeout_s()`` instead of hanging.
+totals but not what is free now waits, ``queued``, with ``wait_reason`` saying for what
+(the worker counts what active runs and pools hold before it submits the job), and once
+submitted waits for its placement group up to ``placement_timeout_s()`` instead of hanging.
 
 Pure functions of the config and the resources dict: no Ray, no torch.
 """
@@ -78,7 +79,7 @@ def own_servers(config: RunConfig) -> int:
 def run_needs(config: RunConfig, backend: str, resources: Mapping[str, float]) -> Needs:
     gpus = has_gpus(resources)
     trainer_bundle = {"CPU": 1.0, "GPU": 1.0} if gpus else {"CPU": 1.0}
-    server = {"CPU": 1.0, "GPU": 1.0} if backend == "sglang" else {"CPU": 1.0}
+    server = server_resources(backend)
     kind = "GPU" if gpus else "CPU"
     total = config.train_workers * trainer_bundle.get(kind, 0) + (
         own_servers(config) * server.get(kind, 0)
@@ -99,3 +100,41 @@ def check_capacity(config: RunConfig, backend: str, resources: Mapping[str, floa
             "Lower train_workers or num_inference_servers, or add nodes to the Ray cluster."
         )
     return needs
+
+
+def server_resources(backend: str) -> dict[str, float]:
+    """One inference server's bundle: a GPU for SGLang, a CPU for the torch engine."""
+    return {"CPU": 1.0, "GPU": 1.0} if backend == "sglang" else {"CPU": 1.0}
+
+
+def _amount(value: float, kind: str) -> str:
+    return f"{value:g} {kind}{'s' if value != 1 else ''}"
+
+
+def wait_reason(
+    config: RunConfig, backend: str, resources: Mapping[str, float], held: Mapping[str, float]
+) -> str:
+    """Why the run cannot start now, or ``""`` when it fits what ``held`` leaves free.
+
+    ``resources`` are the cluster's totals; ``held`` what each active holder (``"pool x"``,
+    ``"run 'y'"``) takes of the run's resource kind. A run that exceeds the totals is not
+    kept waiting (nothing will ever free enough): ``check_capacity`` refuses it with the numbers.
+    """
+    needs = run_needs(config, backend, resources)
+    have = float(resources.get(needs.kind, 0))
+    free = max(have - sum(held.values()), 0.0)
+    if needs.total <= free or needs.total > have:
+        return ""
+    servers = own_servers(config)
+    what = "the trainer" + (
+        f" and {servers} inference server{'s' if servers != 1 else ''}" if servers else ""
+    )
+    holders = ", ".join(
+        f"{name} {'hold' if name.endswith(' runs') else 'holds'} {amount:g}"
+        for name, amount in held.items()
+        if amount
+    )
+    return (
+        f"waiting for {_amount(needs.total, needs.kind)} for {what}: {free:g} of {have:g} free"
+        + (f"; {holders}" if holders else "")
+    )

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import test_database_url
-from tests.livestack import ROOT, LiveStack, answers, free_port, steep_env, wait_for
+from tests.e2e.conftest import dashboard_login, dashboard_post, demo_env, steep_up_stack
+from tests.livestack import ROOT, wait_for
 
 SECTION = "## Five-minute walkthrough"
 FENCE = re.compile(
@@ -67,31 +67,12 @@ def walkthrough_script(blocks: list[tuple[str, str, int]], folder: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-def demo_env(data_dir: Path) -> dict[str, str]:
-    return dict(re.findall(r"^export (\w+)=(.*)$", (data_dir / "demo.env").read_text(), re.M))
-
-
 @pytest.fixture
 def steep_up(transactional_db, tmp_path_factory):
     """./steep up: its prepare() (migrate, the tiny model, bootstrap_demo --start), then its
     worker and web server; (the stack, its DATA_DIR, what prepare printed)."""
-    data_dir = tmp_path_factory.mktemp("steep-up-data")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    env = steep_env(
-        data_dir=data_dir, database_url=test_database_url(), site_url=url, local_ray=True
-    )
-    with LiveStack(env=env, log_dir=tmp_path_factory.mktemp("steep-up-logs")) as stack:
-        model = data_dir / "models" / "tiny-chat"
-        stack.manage("migrate", "--noinput", "-v0")
-        subprocess.run(
-            [sys.executable, "-m", "rl_core.tiny", str(model)], env=env, cwd=ROOT, check=True
-        )
-        printed = stack.manage("bootstrap_demo", "--start", "--model", str(model))
-        stack.start_worker()
-        web = stack.start_web(port)
-        stack.wait_ready(web, lambda: answers(f"{url}/login/"), what="the web server")
-        yield stack, data_dir, printed
+    with steep_up_stack(tmp_path_factory) as started:
+        yield started
 
 
 @pytest.mark.slow
@@ -151,3 +132,77 @@ def test_the_walkthrough_runs_as_printed_against_steep_up(steep_up, tmp_path):
     ]
     assert sum(s.trajectory == "trained" for s in played) >= 8, stack.log_tail()
     assert Run.objects.get(pk=run.pk).status == "running"
+
+
+@pytest.mark.slow
+def test_a_second_projects_lora_run_started_from_the_dashboard_trains_on_the_demo_pool(steep_up):
+    """Issue 17 item 5: beside the online demo run, on the demo pool's one engine."""
+    import json
+
+    from rl_core.toy import DEMO_REWARD, demo_rows
+    from tests.web.test_dashboard_forms import browser_defaults
+    from webapp.accounts.models import Project
+    from webapp.datasets.models import Dataset
+    from webapp.gateway.models import InferenceServer
+    from webapp.pools.models import Pool, PoolServer
+    from webapp.runs.models import Run
+
+    stack, data_dir, _ = steep_up
+    demo = demo_env(data_dir)
+    browser = dashboard_login(demo["STEEP_URL"], data_dir)
+    demo_project = Run.objects.get(pk=demo["STEEP_RUN"]).project
+    # The demo's dataset run is not part of this: its cores go to the two runs on the pool.
+    dataset_run = Run.objects.get(project=demo_project, mode="dataset")
+    stopped = dashboard_post(
+        browser, f"/projects/{demo_project.id}/runs/{dataset_run.id}/stop/", {}
+    )
+    assert stopped.status_code == 302
+
+    assert dashboard_post(browser, "/projects/", {"name": "second"}).status_code == 302
+    project = Project.objects.get(name="second")
+    rows = "".join(json.dumps(row) + "\n" for row in demo_rows(64)).encode()
+    files = {"file": ("letters.jsonl", rows, "application/jsonl")}
+    uploaded = dashboard_post(
+        browser, f"/projects/{project.id}/datasets/", {"name": "l"}, files=files
+    )
+    assert uploaded.status_code == 302, uploaded.text
+    dataset = Dataset.objects.get(project=project)
+    form = browser_defaults(
+        name="second: a LoRA run on the demo pool",
+        mode="dataset",
+        dataset=str(dataset.id),
+        base_model=str(data_dir / "models" / "tiny-chat"),
+        reward=json.dumps(DEMO_REWARD),
+        lora_rank="8",
+        lora_alpha="16",
+        learning_rate="0.02",
+        inference_pool="demo",
+        batch_size="8",
+        group_size="4",
+        max_new_tokens="4",
+    )
+    created = dashboard_post(browser, f"/projects/{project.id}/runs/new/", form)
+    assert created.status_code == 302, created.text
+    second = Run.objects.get(project=project)
+    assert (
+        dashboard_post(browser, f"/projects/{project.id}/runs/{second.id}/start/", {}).status_code
+        == 302
+    )
+
+    online = Run.objects.get(pk=demo["STEEP_RUN"])
+    start = online.step
+    wait_for(
+        lambda: (
+            Run.objects.get(pk=second.pk).step >= 2
+            and Run.objects.get(pk=online.pk).step >= start + 2
+        ),
+        420,
+        f"two steps of each run on the demo pool\n{stack.log_tail()}",
+        interval=2,
+    )
+    pool = Pool.objects.get(name="demo")
+    (server,) = PoolServer.objects.filter(pool=pool).values_list("url", flat=True)
+    for run in (online, second):  # one engine process serves both runs' adapters
+        urls = set(InferenceServer.objects.filter(run=run).values_list("url", flat=True))
+        assert urls == {server}, (run.name, urls, server)
+        assert Run.objects.get(pk=run.pk).status == "running"

@@ -190,7 +190,7 @@ def test_a_launch_lost_long_ago_is_a_crash_and_one_under_way_is_left_alone(
     long_ago = timezone.now() - LAUNCH_TIMEOUT - timedelta(seconds=1)
     Run.objects.filter(pk=lost.pk).update(updated_at=long_ago)
 
-    assert runs_reconcile() == {"restarted": 1, "failed": 0}
+    assert runs_reconcile() == {"restarted": 1, "failed": 0, "launched": 0}
 
     under_way.refresh_from_db()
     lost.refresh_from_db()

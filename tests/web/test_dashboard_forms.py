@@ -201,6 +201,31 @@ def test_run_form_with_defaults_creates_a_run_with_the_same_config_as_the_api(
     assert run.config == RunConfig(mode="online", base_model="tiny-llama").to_dict()
 
 
+def test_run_form_offers_the_pools_and_attaches_a_lora_run_to_the_one_picked(
+    member_client, project
+):
+    from webapp.pools.services import pool_create
+
+    pool_create(name="demo", base_model="tiny-llama", backend="torch", start=False)
+    url = reverse("dashboard:run-new", args=[project.id])
+    page = member_client.get(url).content.decode()
+    assert '<option value="demo">demo (tiny-llama, stopped)</option>' in page
+    data = browser_defaults(reward="", lora_rank="8", inference_pool="demo")
+    assert member_client.post(url, data).status_code == 302
+    run = Run.objects.get(project=project)
+    assert (run.config["inference_pool"], run.config["lora_rank"]) == ("demo", 8)
+
+
+def test_run_form_refuses_a_full_weight_run_on_a_pool_next_to_the_field(member_client, project):
+    from webapp.pools.services import pool_create
+
+    pool_create(name="demo", base_model="tiny-llama", backend="torch", start=False)
+    url = reverse("dashboard:run-new", args=[project.id])
+    response = member_client.post(url, browser_defaults(reward="", inference_pool="demo"))
+    assert response.status_code == 400 and not Run.objects.exists()
+    assert "full-weight" in response.context["form"].errors["inference_pool"][0]
+
+
 def test_run_form_dataset_mode_links_the_dataset(member_client, project, make_dataset):
     dataset = make_dataset(project)
     data = browser_defaults(mode="dataset", dataset=str(dataset.id), max_staleness="0")

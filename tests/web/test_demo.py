@@ -1,4 +1,4 @@
-"""``./steep up``'s demo: two runs, the demo agent on the online one, and what the README's
+"""``./steep up``'s demo: two runs, the demo pool the online one attaches to, the demo agent on it, and what the README's
 walkthrough reads from ``DATA_DIR/demo.env``; the built-in demo agent's guards."""
 
 from __future__ import annotations
@@ -15,11 +15,13 @@ from rl_core.toy import DEMO_SETTINGS, ONLINE_DEMO_SETTINGS
 from webapp.accounts.models import APIKey
 from webapp.accounts.services import api_key_authenticate
 from webapp.agents.models import Agent
+from webapp.pools.models import Pool
 from webapp.runs.demo import (
     DEMO_AGENT,
     DEMO_AGENT_KEY_NAME,
     DEMO_KEY_NAME,
     DEMO_ONLINE_RUN,
+    DEMO_POOL,
     DEMO_RUN,
     demo_agent_credentials,
     demo_bootstrap,
@@ -196,3 +198,38 @@ def test_the_demo_agent_is_on_the_beat_schedule_unless_turned_off():
 
     assert scheduled("true") == "True"
     assert scheduled("false") == "False"
+
+
+def test_the_demo_has_a_cpu_pool_of_the_demo_model_and_the_online_run_attaches_to_it(data_dir):
+    demo = demo_bootstrap(model="/models/tiny")
+    pool = Pool.objects.get(name=DEMO_POOL)
+    assert (pool.base_model, pool.backend, pool.replicas, pool.status) == (
+        "/models/tiny",
+        "torch",
+        1,
+        "stopped",
+    )
+    online = Run.objects.get(pk=demo.online_run_id)
+    assert (online.config["inference_pool"], online.config["lora_rank"]) == (DEMO_POOL, 8)
+    # The dataset run, whose curve the README shows, stays full-weight on servers of its own.
+    assert Run.objects.get(pk=demo.run_id).config["inference_pool"] == ""
+
+
+def test_start_starts_the_demo_pool_once_and_leaves_an_interrupted_one_to_the_worker(data_dir):
+    demo_bootstrap(model="/models/tiny", start=True)
+    assert Pool.objects.get(name=DEMO_POOL).status == "starting"
+    demo_bootstrap(model="/models/tiny", start=True)  # already starting: nothing to do
+    Pool.objects.filter(name=DEMO_POOL).update(status="interrupted")
+    demo_bootstrap(model="/models/tiny", start=True)
+    assert Pool.objects.get(name=DEMO_POOL).status == "interrupted"  # pools_resume starts it
+    assert Pool.objects.count() == 1
+
+
+def test_an_online_run_from_before_the_pool_stays_full_weight(data_dir):
+    first = demo_bootstrap(model="/models/tiny")
+    online = Run.objects.get(pk=first.online_run_id)
+    full_weight = {**online.config, "lora_rank": 0, "inference_pool": ""}
+    Run.objects.filter(pk=online.pk).update(config=full_weight)  # as an older Steep made it
+    again = demo_bootstrap(model="/models/tiny", start=True)
+    assert again.online_run_id == first.online_run_id
+    assert Run.objects.get(pk=online.pk).config == full_weight

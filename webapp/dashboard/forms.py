@@ -94,13 +94,14 @@ class RunForm(forms.Form):
     """Built from RunConfig's fields; ``clean`` hands the values to RunConfig.from_dict, the one validator.
 
     ``models``: the base models to offer (``webapp.runs.selectors.known_models``); the
-    project's newest, else the first (the demo model), is filled in.
+    project's newest, else the first (the demo model), is filled in. ``pools``: the shared
+    inference pools a LoRA run may attach to (``inference_pool`` becomes a select of them).
     """
 
     name = forms.CharField(max_length=200)
     dataset = forms.ChoiceField(required=False, help_text="Required in dataset mode.")
 
-    def __init__(self, *args, datasets=(), models=(), **kwargs):
+    def __init__(self, *args, datasets=(), models=(), pools=(), **kwargs):
         super().__init__(*args, **kwargs)
         self.fields["dataset"].choices = [("", "— none —")] + [
             (str(d.id), f"{d.name} ({d.row_count} rows)") for d in datasets
@@ -108,6 +109,14 @@ class RunForm(forms.Form):
         for spec in RunConfig.field_specs():
             self.fields[spec.name] = _form_field(spec)
         self.fields["reward"].initial = '{"type": "exact_match"}'
+        if pools:
+            pool = self.fields["inference_pool"]
+            self.fields["inference_pool"] = forms.ChoiceField(
+                required=False,
+                choices=[("", "— servers of the run's own —")]
+                + [(p.name, f"{p.name} ({p.base_model}, {p.status})") for p in pools],
+                help_text=pool.help_text + " Set lora_rank above 0 to attach.",
+            )
         names = [m.name for m in models]
         preferred = [m.name for m in models if m.source == "project"] or names
         base_model = self.fields["base_model"]

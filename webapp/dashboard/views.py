@@ -50,6 +50,7 @@ from webapp.gateway.selectors import (
     session_interactions,
     session_list,
 )
+from webapp.pools.selectors import pool_list
 from webapp.rewards.secrets import redact_config
 from webapp.rewards.selectors import reward_summary, session_feedback
 from webapp.runs.ledger import run_ledger
@@ -255,7 +256,10 @@ def run_new(request, project_id):
     project = _project(request, project_id)
     project_datasets = dataset_list(project=project)
     form = RunForm(
-        request.POST or None, datasets=project_datasets, models=known_models(project=project)
+        request.POST or None,
+        datasets=project_datasets,
+        models=known_models(project=project),
+        pools=pool_list(),
     )
     if request.method == "POST" and form.is_valid():
         dataset = None

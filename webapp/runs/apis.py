@@ -97,8 +97,14 @@ class RunOutput(serializers.Serializer):
     status = serializers.ChoiceField(
         choices=RUN_STATUSES,
         help_text="draft → queued → starting → running → stopping → stopped | completed | "
-        "failed. interrupted: Steep was stopped cleanly while the run was active; it resumes "
-        "from its last checkpoint when Steep starts again.",
+        "failed. queued: waiting for a worker, or for the cluster's resources (queue_reason "
+        "says which). interrupted: Steep was stopped cleanly while the run was active; it "
+        "resumes from its last checkpoint when Steep starts again.",
+    )
+    queue_reason = serializers.CharField(
+        help_text="Why a queued run waits instead of starting, e.g. 'waiting for 1 GPU for the "
+        "trainer: 0 of 1 free; pool shared holds 1'; empty otherwise. It starts by itself when "
+        "the cluster has room."
     )
     step = serializers.IntegerField()
     weight_version = serializers.IntegerField()

@@ -1,12 +1,15 @@
 """The demo that ``./steep up`` sets up, so that the README's walkthrough works as printed.
 
 In the ``demo`` project: an admin user, a fresh API key (printed, and written with the
-URLs the walkthrough needs to ``DATA_DIR/demo.env``), and two runs on the demo model:
+URLs the walkthrough needs to ``DATA_DIR/demo.env``), and two runs on the demo model.
+Beside them, the platform's ``demo`` inference pool: one torch-engine server of the demo
+model that LoRA runs of any project may attach to (``inference_pool: demo``).
 
 * a dataset run that learns the demo task of ``rl_core.toy`` (reading which letter a
   prompt asks for) visibly over a few minutes;
-* an online run that stays running, with the ``demo agent`` bound to it. The built-in demo
-  agent (``webapp.runs.demo_agent``) plays episodes on it through the gateway, with a key
+* an online run that stays running, with the ``demo agent`` bound to it: a LoRA run
+  attached to the ``demo`` pool (one created before the pool existed stays full-weight,
+  with servers of its own). The built-in demo agent (``webapp.runs.demo_agent``) plays episodes on it through the gateway, with a key
   of its own (``DATA_DIR/demo-agent.key``), so its charts move; the walkthrough's agent
   joins it.
 """
@@ -34,6 +37,8 @@ from webapp.agents.models import Agent
 from webapp.agents.services import agent_bind_run, agent_create
 from webapp.datasets.models import Dataset
 from webapp.datasets.services import dataset_create
+from webapp.pools.models import Pool
+from webapp.pools.services import pool_create, pool_start
 from webapp.runs.models import Run
 from webapp.runs.services import TRANSITIONS, run_clone, run_create, run_start
 
@@ -44,6 +49,7 @@ DEMO_DATASET = "say-the-letter"
 DEMO_RUN = "demo: learn to say the letter asked for"
 DEMO_ONLINE_RUN = "demo: online run (agents welcome)"
 DEMO_AGENT = "demo agent"
+DEMO_POOL = "demo"
 
 
 @dataclass
@@ -98,12 +104,30 @@ def _dataset_run(project: Project, model: str, dataset: Dataset) -> Run:
     return run
 
 
+def _demo_pool(model: str) -> Pool:
+    """The shared CPU pool of the demo model; a stopped one follows a changed demo model."""
+    pool = Pool.objects.filter(name=DEMO_POOL).first()
+    if pool is None:
+        return pool_create(
+            name=DEMO_POOL, base_model=model, backend=Pool.Backend.TORCH, replicas=1, start=False
+        )
+    if pool.base_model != model and pool.status in (Pool.Status.STOPPED, Pool.Status.FAILED):
+        pool.base_model = model
+        pool.save(update_fields=["base_model", "updated_at"])
+    return pool
+
+
 def _online_run(project: Project, model: str) -> Run:
     """The newest online demo run; a new one when it has completed (completed is final)."""
     run = Run.objects.filter(project=project, name=DEMO_ONLINE_RUN).order_by("-created_at").first()
     if run is None:
         config = RunConfig.from_dict(
-            {"mode": "online", "base_model": model, **ONLINE_DEMO_SETTINGS}
+            {
+                "mode": "online",
+                "base_model": model,
+                **ONLINE_DEMO_SETTINGS,
+                "inference_pool": DEMO_POOL,
+            }
         )
         run = run_create(project=project, name=DEMO_ONLINE_RUN, config=config)
     elif run.status == Run.Status.COMPLETED:
@@ -131,8 +155,10 @@ def demo_bootstrap(
 ) -> Demo:
     """Idempotent: creates what is missing; rotates the demo key so it can be printed.
 
-    With ``start``, each demo run that can start (draft, stopped, failed, ...) is queued:
-    the dataset run resumes from its last checkpoint; a completed one stays as it is.
+    With ``start``, the demo pool is started unless it runs (an interrupted one is left to
+    the worker, which starts it again), and each demo run that can start (draft, stopped,
+    failed, ...) is queued: the dataset run resumes from its last checkpoint; a completed
+    one stays as it is.
     """
     if password is None:
         password, _ = _admin_password()
@@ -144,9 +170,12 @@ def demo_bootstrap(
     _, plaintext = api_key_create(project=project, name=DEMO_KEY_NAME, user=user)
     _demo_agent_key(project, user)
 
+    pool = _demo_pool(model)
     run = _dataset_run(project, model, _dataset(project, user))
     online = _online_run(project, model)
     if start:
+        if pool.status in (Pool.Status.STOPPED, Pool.Status.FAILED):
+            pool_start(pool=pool)
         for demo_run in (online, run):
             if _startable(demo_run):
                 run_start(run=demo_run)

@@ -21,6 +21,7 @@ def status_event(run) -> dict:
         "step": run.step,
         "weight_version": run.weight_version,
         "error": run.error,
+        "queue_reason": run.queue_reason,
     }
 
 

@@ -13,12 +13,14 @@ from collections.abc import Callable
 from datetime import timedelta
 
 from django.conf import settings
+from django.db import transaction
 from django.utils import timezone
 
 from webapp.gateway.models import InferenceServer
 from webapp.runs.jobs import job_release, job_secret_issue
-from webapp.runs.models import Run, RunEvent
-from webapp.runs.services import IllegalTransition, run_queue, run_transition
+from webapp.runs.models import ClusterReport, Run, RunEvent
+from webapp.runs.queueing import run_wait_reason
+from webapp.runs.services import IllegalTransition, run_queue, run_transition, run_wait
 from workers.ray_cluster import (
     RayCluster,
     RayUnavailable,
@@ -50,11 +52,27 @@ def steep_cluster() -> RayCluster:
     )
 
 
+def _start_or_wait(run: Run) -> str:
+    """Move the queued ``run`` to starting, or keep it queued with the reason, which is returned,
+    when the cluster has no room for it now (``webapp.runs.queueing``).
+
+    One launch decides at a time (the cluster report's row lock; on SQLite every transaction
+    is IMMEDIATE), so two workers' launches cannot both count the last free GPU as theirs.
+    """
+    with transaction.atomic():
+        list(ClusterReport.objects.select_for_update())
+        if reason := run_wait_reason(run=run):
+            run_wait(run=run, reason=reason)
+            return reason
+        # The previous attempt's job id goes first: until the new job is submitted, the
+        # reconciler would find that one gone and take the starting run for a crashed one.
+        Run.objects.filter(pk=run.pk).update(job_id="")
+        run_transition(run=run, to=S.STARTING, message="A worker is submitting the run to Ray.")
+    return ""
+
+
 def _submit(run: Run) -> str:
-    # The previous attempt's job id goes first: until the new job is submitted, the
-    # reconciler would find that one gone and take the starting run for a crashed one.
-    Run.objects.filter(pk=run.pk).update(job_id="")
-    run = run_transition(run=run, to=S.STARTING, message="A worker is submitting the run to Ray.")
+    run.refresh_from_db()
     InferenceServer.objects.filter(run=run).delete()  # servers of a previous attempt are gone
     job_release(run=run)
     secret = job_secret_issue(run=run)
@@ -98,7 +116,9 @@ def _submit(run: Run) -> str:
 def run_launch(*, run_id: str) -> str:
     """Submit a queued run as a Ray job with a fresh job secret; the run becomes ``starting``.
 
-    Returns the job id, ``"skipped"`` when the run is gone or no longer queued, or
+    A run the cluster has no room for now stays ``queued`` with the reason
+    (``webapp.runs.queueing``) and ``"queued"`` is returned: ``runs_reconcile`` tries again.
+    Otherwise returns the job id, ``"skipped"`` when the run is gone or no longer queued, or
     ``"failed"`` when the submission failed: the run is then ``failed`` with the reason
     (``"interrupted"`` when it failed because Steep was being stopped: ``runs_interrupt``).
     """
@@ -106,6 +126,8 @@ def run_launch(*, run_id: str) -> str:
     if run is None or run.status != S.QUEUED:
         return "skipped"
     try:
+        if _start_or_wait(run):
+            return "queued"
         return _submit(run)
     except IllegalTransition as exc:  # stopped or launched by someone else meanwhile
         logger.info("launch of %s skipped: %s", run_id, exc)
@@ -156,9 +178,14 @@ def run_shutdown(*, run_id: str, grace_s: float = 120.0) -> str:
 
 def runs_reconcile() -> dict:
     """Find runs whose Ray job died (worker restart, reboot, crash) and hand each to
-    ``run_job_died``. (A clean stop of Steep makes its runs ``interrupted`` first, so they are
-    not seen here: see ``runs_interrupt``.)"""
-    summary = {"restarted": 0, "failed": 0}
+    ``run_job_died``, and launch queued runs that waited for the cluster, oldest first, when
+    it has room for them. (A clean stop of Steep makes its runs ``interrupted`` first, so they
+    are not seen here: see ``runs_interrupt``.)"""
+    summary = {"restarted": 0, "failed": 0, "launched": 0}
+    waiting = Run.objects.filter(status=S.QUEUED).exclude(queue_reason="").order_by("queued_at")
+    for run in waiting:
+        if run_launch(run_id=str(run.id)) not in ("queued", "skipped"):
+            summary["launched"] += 1
     # A launch that never got its job submitted (its worker was killed meanwhile).
     lost = Run.objects.filter(
         status=S.STARTING, job_id="", updated_at__lt=timezone.now() - LAUNCH_TIMEOUT

@@ -48,6 +48,10 @@ class Run(models.Model):
     sessions_open = models.IntegerField(default=0)
     sessions_accepted = models.IntegerField(default=0)
     error = models.TextField(blank=True)
+    # Why a queued run waits instead of starting (webapp.runs.queueing), e.g. "waiting for 1 GPU
+    # for the trainer: 0 of 1 free; pool shared holds 1"; empty otherwise. The reconciler
+    # launches it when the cluster has room.
+    queue_reason = models.CharField(max_length=500, blank=True)
     # The Ray job executing the run. Its secret (hashed) authenticates the internal API;
     # a new one is issued at every launch, so a previous attempt's job is locked out.
     job_id = models.CharField(max_length=200, blank=True)

@@ -167,8 +167,8 @@ def run_transition(*, run: Run, to: str, message: str = "", error: str | None = 
         if to not in TRANSITIONS[locked.status]:
             raise IllegalTransition(locked, locked.status, to)
         now = timezone.now()
-        fields = ["status", "updated_at"]
-        locked.status = to
+        fields = ["status", "updated_at", "queue_reason"]
+        locked.status, locked.queue_reason = to, ""
         if to == S.QUEUED:
             locked.queued_at, locked.finished_at, locked.error = now, None, ""
             fields += ["queued_at", "finished_at", "error"]
@@ -185,6 +185,24 @@ def run_transition(*, run: Run, to: str, message: str = "", error: str | None = 
         RunEvent.objects.create(run=locked, kind=f"status:{to}", message=message or error or "")
         event = status_event(locked)
         transaction.on_commit(lambda: publish_run_event(locked.id, event))
+    run.refresh_from_db()
+    return run
+
+
+def run_wait(*, run: Run, reason: str) -> Run:
+    """Keep a queued run waiting for the cluster, saying why (``reason``); a no-op unless queued.
+
+    The reason is stored and shown on the run's page and in its API; a changed reason is
+    also a line in its history. ``webapp.runs.launching.runs_reconcile`` tries it again.
+    """
+    with transaction.atomic():
+        locked = Run.objects.select_for_update().get(pk=run.pk)
+        if locked.status == S.QUEUED and locked.queue_reason != reason:
+            locked.queue_reason = reason
+            locked.save(update_fields=["queue_reason", "updated_at"])
+            RunEvent.objects.create(run=locked, kind="queued", message=reason)
+            event = status_event(locked)
+            transaction.on_commit(lambda: publish_run_event(locked.id, event))
     run.refresh_from_db()
     return run
 
