@@ -188,8 +188,9 @@ def test_the_per_token_bound_masks_more_of_the_long_tail_for_larger_groups_and_l
     from rl_core.sim.cluster import fresh_fraction
 
     tail = dict(servers=24, trainer_gpus=8, batch_size=384, min_tokens=1024, max_tokens=32768)
+    # At one per-server batch (one decode speed), so only the rule's window differs.
     f = {
-        (g, s): fresh_fraction(ClusterSimConfig(group_size=g, max_staleness=s, **tail))
+        (g, s): fresh_fraction(ClusterSimConfig(group_size=g, max_staleness=s, **tail), batch=32)
         for g in (1, 8)
         for s in (4, 8)
     }
@@ -197,6 +198,23 @@ def test_the_per_token_bound_masks_more_of_the_long_tail_for_larger_groups_and_l
     # A group's early finishers wait, aging, for its longest answer.
     assert f[8, 4] < f[1, 4] and f[8, 8] < f[1, 8]
     assert f[1, 4] < f[1, 8] and f[8, 4] < f[8, 8]
+
+
+def test_the_per_token_bound_is_the_best_batch_below_the_bound_that_trains_every_token():
+    from rl_core.sim.cluster import fresh_fraction, ideal_trajectories_per_s, per_token_bound
+
+    tail = dict(servers=24, trainer_gpus=8, batch_size=384, min_tokens=1024, max_tokens=32768)
+    cfg = ClusterSimConfig(group_size=8, max_staleness=4, **tail)
+    every_token = ideal_trajectories_per_s(cfg) * cfg.mean_length()
+    tokens, batch = per_token_bound(cfg)
+    assert 0 < tokens < every_token
+    # At least what the budget's full batch trains (the maximum is over batches).
+    assert tokens >= every_token * fresh_fraction(cfg, groups=2000) - 1e-6
+    assert 1 <= batch <= 4 * 384 / 24
+    sync = ClusterSimConfig(group_size=8, max_staleness=0, **tail)
+    assert per_token_bound(sync)[0] == pytest.approx(
+        ideal_trajectories_per_s(sync) * sync.mean_length()
+    )
 
 
 def test_the_slot_occupancy_accounts_for_the_whole_staleness_budget(small_runs):
