@@ -167,12 +167,8 @@ def agents(args: argparse.Namespace, results: list[dict]) -> None:
         "| max staleness seen | dropped | idle infer | idle train | sim s | wall s |\n"
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
-    for batch in (
-        8,
-        64,
-        256,
-        320,
-    ):  # 320 = 1.25 x agents / max_staleness: the budget holds them all
+    # 320 = 1.25 x agents / max_staleness: the budget holds every agent (docs/benchmarks.md).
+    for batch in (8, 64, 256, 320):
         cfg = _config(
             args,
             batch_size=batch,
