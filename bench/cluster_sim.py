@@ -66,10 +66,18 @@ def _stale_hist(r: ClusterSimResult) -> str:
     return " ".join(f"{k}:{100 * v / total:.0f}%" for k, v in r.staleness.items())
 
 
+def _slots(r: ClusterSimResult) -> str:
+    s = r.slots
+    return "/".join(
+        f"{s.get(k, 0.0):.0f}" for k in ("decoding", "group_wait", "queued", "training")
+    )
+
+
 HEADER = (
     "| N | M | lengths | sync | max_staleness | traj/s | trained tok/s | vs sync (traj) | vs sync (tokens) | % of bound (tokens) "
-    "| idle infer | mean batch | idle train | dropped | staleness of trained tokens | sim s | wall s |\n"
-    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    "| % of per-token bound | idle infer | mean batch | idle train | dropped "
+    "| slots: decoding/group wait/queued/training | staleness of trained tokens | sim s | wall s |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -82,8 +90,9 @@ def _row(r: ClusterSimResult, sync: ClusterSimResult | None, wall: float) -> str
         f"| {c['servers']} | {c['trainer_gpus']} | {c['lengths']} | {c['weight_sync']} "
         f"| {c['max_staleness']} | {r.trajectories_per_s:.2f} | {r.trained_tokens_per_s:,.0f} "
         f"| {ratio} | {tokens} | {100 * r.trained_tokens_per_s / r.ideal_tokens_per_s:.0f}% "
+        f"| {100 * r.trained_tokens_per_s / r.fresh_tokens_per_s:.0f}% "
         f"| {100 * r.inference_idle:.0f}% | {r.mean_batch:.0f} | {100 * r.trainer_idle:.0f}% | {r.dropped} "
-        f"| {_stale_hist(r)} | {r.sim_seconds:,.0f} | {wall:.0f} |"
+        f"| {_slots(r)} | {_stale_hist(r)} | {r.sim_seconds:,.0f} | {wall:.0f} |"
     )
 
 
@@ -138,7 +147,14 @@ def areal(args: argparse.Namespace, results: list[dict]) -> None:
     # generation and training on separate GPUs (3:1 here as in its default allocation).
     for group in (args.group_size, 1):  # a group waits for its longest member: 1 shows the cost
         configs = [
-            _config(args, servers=24, trainer_gpus=8, group_size=group, max_staleness=s)
+            _config(
+                args,
+                servers=24,
+                trainer_gpus=8,
+                group_size=group,
+                max_staleness=s,
+                steps=args.areal_steps,
+            )
             for s in (0, 4, 8)
         ]
         print(f"\ngroup_size {group}\n")
@@ -151,7 +167,8 @@ def agents(args: argparse.Namespace, results: list[dict]) -> None:
         "| max staleness seen | dropped | idle infer | idle train | sim s | wall s |\n"
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
-    for batch in (8, 64, 256):
+    # 320 = 1.25 x agents / max_staleness: the budget holds every agent (docs/benchmarks.md).
+    for batch in (8, 64, 256, 320):
         cfg = _config(
             args,
             batch_size=batch,
@@ -188,6 +205,9 @@ def main() -> None:
     parser.add_argument("--servers", type=int, default=16, help="inference servers (N)")
     parser.add_argument("--trainer-ratio", type=float, default=0.25, help="trainer GPUs per server")
     parser.add_argument("--steps", type=int, default=20)
+    # The longest answers take ~100 s, ~18 steps at AReaL's setting: 20 steps would measure
+    # the start-up, when only short answers have finished (trained tokens/s 40% too high).
+    parser.add_argument("--areal-steps", type=int, default=60)
     parser.add_argument("--group-size", type=int, default=8, help="answers per prompt (GRPO group)")
     parser.add_argument("--model", default="1.5b", choices=["1.5b", "7b"])
     parser.add_argument("--min-tokens", type=int, default=1024)

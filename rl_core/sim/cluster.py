@@ -77,6 +77,14 @@ class ClusterSimConfig:
         lo, hi = self.min_tokens, self.max_tokens
         return lo * (1.0 + math.log(hi / lo))  # Pareto(1) from lo, capped at hi
 
+    def mean_square_length(self) -> float:
+        """``E[L^2]`` of the answer lengths (capped Pareto: ``2·lo·hi - lo²``)."""
+        lo, hi = self.min_tokens, self.max_tokens
+        if self.lengths == "longtail":
+            return 2.0 * lo * hi - lo * lo
+        top = 2.0 * self.mean_length() - lo
+        return (lo * lo + lo * top + top * top) / 3.0
+
     def length_fn(self) -> Callable[[int], int]:
         """Seed → answer length in real tokens."""
         lo, hi, mean = self.min_tokens, self.max_tokens, self.mean_length()
@@ -109,7 +117,13 @@ class ClusterSimResult:
     inference_paused_s: float  # total time servers held requests paused for updates
     ideal_trajectories_per_s: float  # the analytic bound: perfect overlap, no tail waiting
     ideal_tokens_per_s: float = 0.0  # the same bound in trained response tokens/s
+    # The bound in tokens, less what the per-token staleness rule must mask (per_token_bound).
+    fresh_tokens_per_s: float = 0.0
     mean_batch: float = 0.0  # requests in a server's running batch, time-weighted over decoding
+    # Where the staleness budget's (max_staleness + 1) * batch_size slots were, time-averaged
+    # over the run (``Occupancy``): decoding, waiting at a server, finished but waiting for
+    # the rest of the group, queued for the trainer, in the step being trained, and free.
+    slots: dict[str, float] = field(default_factory=dict)
     step_times: list[float] = field(default_factory=list)
 
     @property
@@ -174,24 +188,148 @@ class SimTimesReporter(ListReporter):
         await super().metrics(step, version, values)
 
 
-def ideal_trajectories_per_s(cfg: ClusterSimConfig, *, sync_s: float = 0.0) -> float:
-    """The analytic bound: generation and training overlap perfectly and no server waits
-    for a tail. Every server decodes the most requests the staleness rule lets be in flight
-    (``(max_staleness + 1) * batch_size`` over the servers, at most SGLang's
-    ``max_running_requests``) all the time, so a step takes the longer of generating a
-    batch at that rate and training it (plus the loop's weight sync)."""
+class Occupancy:
+    """Samples, every ``interval`` simulated seconds, where the admission budget's slots are.
+
+    The budget ``(max_staleness + version + 1) * batch_size - trained`` counts a rollout from
+    admission until it is trained; by Little's law the trajectory rate is at most the budget
+    over the mean time a slot is held, so where that time goes is where throughput goes.
+    """
+
+    STATES = ("decoding", "at_server", "group_wait", "queued", "training", "free")
+
+    def __init__(self, servers: list[SimServer], run: LocalRun, interval: float = 0.25):
+        self.servers, self.run, self.interval = servers, run, interval
+        self.sums = dict.fromkeys(self.STATES, 0.0)
+        self.samples = 0
+
+    def sample(self) -> None:
+        c, q = self.run.controller, self.run.source.qsize()
+        decoding = sum(s.decoding for s in self.servers)
+        at_server = sum(s.waiting for s in self.servers)
+        budget = (c.max_staleness + 1) * c.batch_size
+        outstanding = c.accepted - c.version * c.batch_size  # queued or being trained
+        for name, value in (
+            ("decoding", decoding),
+            ("at_server", at_server),
+            ("group_wait", c.running - decoding - at_server),
+            ("queued", q),
+            ("training", outstanding - q),
+            ("free", budget - outstanding - c.running),
+        ):
+            self.sums[name] += value
+        self.samples += 1
+
+    async def run_forever(self) -> None:
+        while True:
+            self.sample()
+            await asyncio.sleep(self.interval)
+
+    def averages(self) -> dict[str, float]:
+        return {k: v / max(1, self.samples) for k, v in self.sums.items()}
+
+
+def _bound_step(
+    cfg: ClusterSimConfig, sync_s: float, batch: int | None = None
+) -> tuple[float, float]:
+    """The bound's step time and the per-request decode rate (tokens/s) when every server
+    decodes ``batch`` requests (default: the most the staleness budget lets decode)."""
     engine = ENGINE_PRESETS[cfg.model]
     mean = cfg.mean_length()
-    context = cfg.prompt_tokens + mean / 2
-    batch = min(
-        engine.max_running_requests,
-        max(1, math.ceil((cfg.max_staleness + 1) * cfg.batch_size / cfg.servers)),
-    )
-    per_server = batch / engine.step_seconds(batch, int(batch * context))
-    gen_s = cfg.batch_size * mean / (cfg.servers * per_server)
+    # The cache a running request holds, averaged over time: long answers are running for
+    # longer, so the in-flight mix is length-biased and its mean generated context is
+    # E[L^2] / (2 E[L]) (7,200 tokens for the long tail, not mean / 2 = 2,300).
+    context = cfg.prompt_tokens + cfg.mean_square_length() / (2 * mean)
+    if batch is None:
+        batch = max_decoding(cfg)
+    rate = 1.0 / engine.step_seconds(batch, int(batch * context))  # tokens/s of one request
+    gen_s = cfg.batch_size * mean / (cfg.servers * batch * rate)
     prefill_s = cfg.batch_size * cfg.prompt_tokens * engine.prefill_per_token_s / cfg.servers
     train_s = cfg.trainer_cost().step_seconds(int(cfg.batch_size * (cfg.prompt_tokens + mean)))
-    return cfg.batch_size / max(gen_s + prefill_s, train_s + sync_s)
+    if cfg.max_staleness == 0:  # synchronous: generation and training take turns
+        return gen_s + prefill_s + train_s + sync_s, rate
+    return max(gen_s + prefill_s, train_s + sync_s), rate
+
+
+def max_decoding(cfg: ClusterSimConfig) -> int:
+    """Requests per server the staleness budget lets decode with the trainer never idle.
+
+    The budget is ``(max_staleness + 1) * batch_size`` and one batch of it is always the one
+    being trained, so ``max_staleness`` batches decode (synchronous RL: its one batch), at
+    most SGLang's ``max_running_requests`` per server.
+    """
+    in_flight = max(1, cfg.max_staleness) * cfg.batch_size
+    return min(
+        ENGINE_PRESETS[cfg.model].max_running_requests,
+        max(1, math.ceil(in_flight / cfg.servers)),
+    )
+
+
+def ideal_trajectories_per_s(cfg: ClusterSimConfig, *, sync_s: float = 0.0) -> float:
+    """The analytic bound: generation and training overlap perfectly and no server waits
+    for a tail. Every server decodes the most requests the staleness rule lets decode
+    (``max_decoding``) all the time, so a step takes the longer of generating a batch at
+    that rate and training it (plus the loop's weight sync). Synchronous RL
+    (``max_staleness`` 0) cannot overlap them: its step is the sum of generating its one
+    batch and training it."""
+    step_s, _ = _bound_step(cfg, sync_s)
+    return cfg.batch_size / step_s
+
+
+def _sample_groups(cfg: ClusterSimConfig, groups: int) -> list[list[int]]:
+    lengths, rng = cfg.length_fn(), random.Random(f"fresh:{cfg.seed}")
+    return [[lengths(rng.getrandbits(62)) for _ in range(cfg.group_size)] for _ in range(groups)]
+
+
+def _fresh_share(groups: list[list[int]], window: float) -> float:
+    generated = trained = 0.0
+    for group in groups:
+        start = max(0.0, max(group) - window)
+        generated += sum(group)
+        trained += sum(max(0.0, n - start) for n in group)
+    return trained / generated
+
+
+def fresh_fraction(
+    cfg: ClusterSimConfig, *, sync_s: float = 0.0, batch: int | None = None, groups: int = 4000
+) -> float:
+    """The share of generated tokens the per-token staleness rule lets train at the bound.
+
+    The bound above counts every generated token as trained. Steep's rule is per token: one
+    generated more than ``max_staleness`` versions before its step is masked out of the
+    loss. At the bound (servers decoding ``batch``) a version lasts ``T`` (its step time)
+    and an answer decodes at the per-request rate ``r``; a group is trained the moment its
+    last member finishes (no queueing), and its members started together, so a token is
+    fresh only if it was generated in the last ``(max_staleness + 1) * T`` seconds before
+    that moment (an upper bound on the window: ``max_staleness`` whole versions plus the
+    one under way). Member ``i`` of a group whose longest answer is ``L_max`` then trains
+    ``max(0, L_i - (L_max - r * (max_staleness + 1) * T))`` tokens. Averaged over
+    ``groups`` seeded groups drawn from the run's length distribution (deterministic).
+    Synchronous RL trains everything it generates: 1.
+    """
+    if cfg.max_staleness == 0:
+        return 1.0
+    step_s, rate = _bound_step(cfg, sync_s, batch)
+    return _fresh_share(_sample_groups(cfg, groups), rate * (cfg.max_staleness + 1) * step_s)
+
+
+def per_token_bound(
+    cfg: ClusterSimConfig, *, sync_s: float = 0.0, groups: int = 2000
+) -> tuple[float, int]:
+    """The most trained tokens/s any per-server batch allows under the per-token rule, and
+    that batch: the bound in tokens times ``fresh_fraction``, maximised over the batch
+    (a smaller batch decodes each answer faster, so less of it goes stale, but generates
+    less). Slowing the steps down instead never helps: with the decode rate fixed, the
+    fresh tokens of a step grow at most linearly with its length."""
+    if cfg.max_staleness == 0:
+        return ideal_trajectories_per_s(cfg, sync_s=sync_s) * cfg.mean_length(), max_decoding(cfg)
+    sample, best = _sample_groups(cfg, groups), (0.0, 1)
+    for batch in range(1, max_decoding(cfg) + 1):
+        step_s, rate = _bound_step(cfg, sync_s, batch)
+        window = rate * (cfg.max_staleness + 1) * step_s
+        tokens = cfg.batch_size / step_s * cfg.mean_length() * _fresh_share(sample, window)
+        best = max(best, (tokens, batch))
+    return best
 
 
 async def _simulate(cfg: ClusterSimConfig, work: str) -> ClusterSimResult:
@@ -239,7 +377,12 @@ async def _simulate(cfg: ClusterSimConfig, work: str) -> ClusterSimResult:
             run.driver.adapter_prefix = "sim"
         timed = _TimedSync(inner)
         run.loop.weight_sync = cast(Any, timed)
-        await run.run(cfg.steps)
+        occupancy = Occupancy(servers, run)
+        sampler = asyncio.create_task(occupancy.run_forever())
+        try:
+            await run.run(cfg.steps)
+        finally:
+            sampler.cancel()
         if lora:
             await inner.aclose()
     finally:
@@ -265,7 +408,9 @@ async def _simulate(cfg: ClusterSimConfig, work: str) -> ClusterSimResult:
         inference_paused_s=sum(s.stats.paused_s for s in servers),
         ideal_trajectories_per_s=ideal_trajectories_per_s(cfg, sync_s=sync_s),
         ideal_tokens_per_s=ideal_trajectories_per_s(cfg, sync_s=sync_s) * cfg.mean_length(),
+        fresh_tokens_per_s=per_token_bound(cfg, sync_s=sync_s)[0],
         mean_batch=sum(s.stats.batch_s for s in servers) / busy if busy else 0.0,
+        slots=occupancy.averages(),
         step_times=list(reporter.times),
     )
 

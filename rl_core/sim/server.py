@@ -95,6 +95,16 @@ class SimServer:
         self._engine: asyncio.Task | None = None
         self._paused_since: float | None = None
 
+    @property
+    def decoding(self) -> int:
+        """Requests in the running batch now."""
+        return len(self._running)
+
+    @property
+    def waiting(self) -> int:
+        """Requests received and not yet in the batch."""
+        return len(self._pending)
+
     # ----- ASGI
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:

@@ -151,3 +151,74 @@ def test_online_agents_beyond_the_staleness_budget_are_refused_and_the_bound_hol
     assert result.refusals > 0 and 0 < result.backoff_fraction < 1
     assert result.max_staleness_seen <= 1
     assert result.sessions_trained == 6 * 8
+
+
+def test_the_synchronous_bound_adds_generation_and_training_the_asynchronous_one_overlaps_them():
+    from rl_core.sim.cluster import ideal_trajectories_per_s
+
+    common = dict(servers=4, trainer_gpus=1, batch_size=64, lengths="uniform", seed=0)
+    sync = ClusterSimConfig(max_staleness=0, **common)
+    async_ = ClusterSimConfig(max_staleness=1, **common)
+    train_s = async_.trainer_cost().step_seconds(int(64 * (256 + async_.mean_length())))
+    # No overlap in sync: its step is generation + training, so it is below the training rate.
+    assert ideal_trajectories_per_s(sync) < 64 / train_s
+    # Perfect overlap: a step takes the longer of the two, never less than training alone.
+    assert ideal_trajectories_per_s(async_) <= 64 / train_s + 1e-9
+    assert ideal_trajectories_per_s(async_) > ideal_trajectories_per_s(sync)
+
+
+def test_the_per_token_bound_trains_everything_when_answers_fit_the_staleness_window():
+    from rl_core.sim.cluster import fresh_fraction
+
+    # Answers of 512-1,222 tokens (uniform, the long tail's mean) decode in ~7 s; a version
+    # lasts ~6.7 s (256 trajectories on one trainer GPU), so 3 versions hold every answer.
+    short = ClusterSimConfig(
+        lengths="uniform",
+        min_tokens=512,
+        max_tokens=1024,
+        max_staleness=2,
+        batch_size=256,
+        trainer_gpus=1,
+    )
+    assert fresh_fraction(short) == 1.0
+    assert fresh_fraction(ClusterSimConfig(max_staleness=0)) == 1.0
+
+
+def test_the_per_token_bound_masks_more_of_the_long_tail_for_larger_groups_and_less_with_more_staleness():
+    from rl_core.sim.cluster import fresh_fraction
+
+    tail = dict(servers=24, trainer_gpus=8, batch_size=384, min_tokens=1024, max_tokens=32768)
+    # At one per-server batch (one decode speed), so only the rule's window differs.
+    f = {
+        (g, s): fresh_fraction(ClusterSimConfig(group_size=g, max_staleness=s, **tail), batch=32)
+        for g in (1, 8)
+        for s in (4, 8)
+    }
+    assert all(0.0 < v < 1.0 for v in f.values())
+    # A group's early finishers wait, aging, for its longest answer.
+    assert f[8, 4] < f[1, 4] and f[8, 8] < f[1, 8]
+    assert f[1, 4] < f[1, 8] and f[8, 4] < f[8, 8]
+
+
+def test_the_per_token_bound_is_the_best_batch_below_the_bound_that_trains_every_token():
+    from rl_core.sim.cluster import fresh_fraction, ideal_trajectories_per_s, per_token_bound
+
+    tail = dict(servers=24, trainer_gpus=8, batch_size=384, min_tokens=1024, max_tokens=32768)
+    cfg = ClusterSimConfig(group_size=8, max_staleness=4, **tail)
+    every_token = ideal_trajectories_per_s(cfg) * cfg.mean_length()
+    tokens, batch = per_token_bound(cfg)
+    assert 0 < tokens < every_token
+    # At least what the budget's full batch trains (the maximum is over batches).
+    assert tokens >= every_token * fresh_fraction(cfg, groups=2000) - 1e-6
+    assert 1 <= batch <= 4 * 384 / 24
+    sync = ClusterSimConfig(group_size=8, max_staleness=0, **tail)
+    assert per_token_bound(sync)[0] == pytest.approx(
+        ideal_trajectories_per_s(sync) * sync.mean_length()
+    )
+
+
+def test_the_slot_occupancy_accounts_for_the_whole_staleness_budget(small_runs):
+    result = small_runs[4]
+    budget = (4 + 1) * result.config["batch_size"]
+    assert sum(result.slots.values()) == pytest.approx(budget)
+    assert result.slots["decoding"] > 0 and result.slots["group_wait"] > 0
