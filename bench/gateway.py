@@ -278,6 +278,7 @@ class Bench:
             command += ["--tokens", str(self.args.tokens)]
             command += ["--token-delay-ms", str(self.args.token_delay_ms)]
         proc = self.processes.start("standin", command)
+        self.standin_pid = proc.pid
         self.wait_ready(proc, f"{self.standin_url}/health", what="stand-in", timeout=30)
 
     @property
@@ -1038,6 +1039,7 @@ def main_ttft(args, argv) -> int:
                 warmup=args.warmup,
                 tokens=args.tokens,
                 log=log,
+                pids={"gateway": server.proc.pid, "standin": bench.standin_pid},
             )
             if args.profile:  # the streamed cell at the most clients again, under py-spy
                 bench.spy(

@@ -55,6 +55,15 @@ _REASONS = {
 }
 _counter = itertools.count(1)
 
+try:  # the stand-in's own CPU is taken from the cores the gateway under test shares
+    import orjson
+
+    _dumps = orjson.dumps
+except ImportError:  # pragma: no cover - it runs with the standard library alone too
+
+    def _dumps(value) -> bytes:
+        return json.dumps(value).encode()
+
 
 def _response(status: int, body: bytes, content_type: bytes = b"application/json") -> bytes:
     return (
@@ -76,7 +85,7 @@ def _output(n: int) -> tuple[list[int], str]:
 
 
 def generate(body: dict, tokens: int) -> bytes:
-    return _response(200, json.dumps(_generated(body, tokens, _count(body, tokens))).encode())
+    return _response(200, _dumps(_generated(body, tokens, _count(body, tokens))))
 
 
 def _count(body: dict, tokens: int) -> int:
@@ -117,16 +126,20 @@ async def generate_slowly(transport, body: dict, tokens: int, delay: float) -> N
     n = _count(body, tokens)
     if not body.get("stream"):
         await asyncio.sleep(delay * n)
-        transport.write(_response(200, json.dumps(_generated(body, tokens, n)).encode()))
+        transport.write(_response(200, _dumps(_generated(body, tokens, n))))
         return
     transport.write(
         b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
     )
+    # Token k is due ``k * delay`` after the start, as from an engine's fixed decode step: a
+    # sleep per token would add the event loop's wake-up lag to every token, and a streamed
+    # answer would take longer than the same answer unstreamed.
+    start = asyncio.get_running_loop().time()
     for k in range(1, n + 1):
-        await asyncio.sleep(delay)
+        await asyncio.sleep(max(0.0, start + k * delay - asyncio.get_running_loop().time()))
         if transport.is_closing():
             return
-        event = b"data: " + json.dumps(_generated(body, tokens, k, done=k == n)).encode() + b"\n\n"
+        event = b"data: " + _dumps(_generated(body, tokens, k, done=k == n)) + b"\n\n"
         transport.write(b"%x\r\n%s\r\n" % (len(event), event))
     done = b"data: [DONE]\n\n"
     transport.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))

@@ -15,12 +15,17 @@ default 1 and 64) each loop one request after another for ``--duration`` seconds
 TTFT overhead is Steep's streamed p50 minus the direct p50 at one client; streaming
 throughput is the streamed cell's completions per second against the unstreamed one's.
 The client is aiohttp in the benchmark's own process, the same for every cell.
+
+Each cell also reports the CPU time that the gateway, the stand-in and the client spent per
+completion in the measured window (``/proc/<pid>/stat``; the client's own process time): on
+a machine where all three share the cores, what one process spends is what the others lack.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -34,6 +39,7 @@ class TTFTCell:
     seconds: float
     ttft_ms: list[float] = field(default_factory=list, repr=False)
     total_ms: list[float] = field(default_factory=list, repr=False)
+    cpu_s: dict[str, float] = field(default_factory=dict)  # per process, in the window
 
     @property
     def rps(self) -> float:
@@ -54,8 +60,23 @@ class TTFTCell:
             ttft_p50_ms=self.pct(self.ttft_ms, 0.5),
             ttft_p99_ms=self.pct(self.ttft_ms, 0.99),
             total_p50_ms=self.pct(self.total_ms, 0.5),
+            cpu_ms_per_completion={
+                name: 1000 * seconds / self.completions if self.completions else float("nan")
+                for name, seconds in self.cpu_s.items()
+            },
         )
         return out
+
+
+def _cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """User + system CPU seconds so far of each process (``client``: this one)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {"client": time.process_time()}
+    for name, pid in pids.items():
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        out[name] = (int(fields[11]) + int(fields[12])) / tick
+    return out
 
 
 def _first_token(line: bytes, direct: bool) -> bool:
@@ -78,8 +99,15 @@ async def _one(session, url: str, body: dict, headers: dict, stream: bool, direc
             await response.read()
             first = time.perf_counter()
         else:
-            async for line in response.content:
-                if first is None and _first_token(line.strip(), direct):
+            # Lines are looked at only until the first token; after it the body is read as it
+            # comes, so the client's own cost per event stays small (it shares the cores).
+            buffer = b""
+            async for piece in response.content.iter_any():
+                if first is not None:
+                    continue
+                buffer += piece
+                *lines, buffer = buffer.split(b"\n")
+                if any(_first_token(line.strip(), direct) for line in lines):
                     first = time.perf_counter()
     ended = time.perf_counter()
     return (first or ended) - started, ended - started
@@ -87,7 +115,7 @@ async def _one(session, url: str, body: dict, headers: dict, stream: bool, direc
 
 async def _cell(
     target: str, url: str, body: dict, headers: dict, *, stream: bool, direct: bool, conns: int,
-    duration: float, warmup: float,
+    duration: float, warmup: float, pids: dict[str, int],
 ) -> TTFTCell:  # fmt: skip
     import aiohttp
 
@@ -113,13 +141,21 @@ async def _cell(
                 cell.ttft_ms.append(timing[0] * 1000)
                 cell.total_ms.append(timing[1] * 1000)
 
-        await asyncio.gather(*(client() for _ in range(conns)))
+        async def cpu() -> None:
+            await asyncio.sleep(max(0.0, measure_from - time.perf_counter()))
+            before = _cpu_seconds(pids)
+            await asyncio.sleep(max(0.0, stop - time.perf_counter()))
+            after = _cpu_seconds(pids)
+            cell.cpu_s = {name: after[name] - before[name] for name in after}
+
+        await asyncio.gather(cpu(), *(client() for _ in range(conns)))
     return cell
 
 
 def measure(
     *, standin_url: str, chat_url: str, key: str, conns: list[int], duration: float,
     warmup: float, tokens: int, log, targets: tuple[str, ...] | None = None,
+    pids: dict[str, int] | None = None,
 ) -> list[TTFTCell]:  # fmt: skip
     """Every cell of the TTFT workload, in order: direct, Steep streamed, Steep unstreamed."""
     generate = {
@@ -147,14 +183,15 @@ def measure(
             cell = asyncio.run(
                 _cell(
                     target, url, body, headers, stream=stream, direct=direct, conns=c,
-                    duration=duration, warmup=warmup,
+                    duration=duration, warmup=warmup, pids=pids or {},
                 )
             )  # fmt: skip
             row = cell.as_json()
             log(
                 f"  {target:<18} c={c:<3} {row['rps']:>8.1f} compl/s  TTFT p50 "
                 f"{row['ttft_p50_ms']:8.2f} ms  p99 {row['ttft_p99_ms']:8.2f} ms  "
-                f"total p50 {row['total_p50_ms']:8.2f} ms  errors {cell.errors}"
+                f"total p50 {row['total_p50_ms']:8.2f} ms  errors {cell.errors}  CPU ms/compl "
+                + " ".join(f"{k} {v:.2f}" for k, v in row["cpu_ms_per_completion"].items())
             )
             cells.append(cell)
     return cells
@@ -163,15 +200,23 @@ def measure(
 def report(cells: list[TTFTCell]) -> str:
     """A markdown table, then the two verdicts (TTFT overhead at 1 client, streamed throughput)."""
     lines = [
-        "| target | clients | completions/s | TTFT p50 ms | TTFT p99 ms | total p50 ms | errors |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| target | clients | completions/s | TTFT p50 ms | TTFT p99 ms | total p50 ms | errors "
+        "| CPU ms per completion: gateway / stand-in / client |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     rows = {(c.target, c.conns): c.as_json() for c in cells}
     for cell in cells:
         row = rows[(cell.target, cell.conns)]
         lines.append(
             f"| {cell.target} | {cell.conns} | {row['rps']:.1f} | {row['ttft_p50_ms']:.2f} | "
-            f"{row['ttft_p99_ms']:.2f} | {row['total_p50_ms']:.2f} | {cell.errors} |"
+            f"{row['ttft_p99_ms']:.2f} | {row['total_p50_ms']:.2f} | {cell.errors} | "
+            + " / ".join(
+                f"{row['cpu_ms_per_completion'][k]:.2f}"
+                if k in row["cpu_ms_per_completion"]
+                else "–"
+                for k in ("gateway", "standin", "client")
+            )
+            + " |"
         )
     notes = []
     for conns in sorted({c.conns for c in cells}):

@@ -251,7 +251,7 @@ class InferenceClient(UpdateCalls):
             pass
         return progress.result()
 
-    async def generate_stream(
+    def generate_stream(
         self,
         input_ids: Sequence[int],
         sampling_params: dict[str, Any] | None = None,
@@ -260,7 +260,7 @@ class InferenceClient(UpdateCalls):
         rid: str | None = None,
         top_logprobs_num: int = 0,
         lora_path: str | None = None,
-    ) -> AsyncIterator[GenerateChunk]:
+    ) -> AsyncGenerator[GenerateChunk, None]:
         """Like ``generate`` but yield new tokens as the server streams them (``stream: true``).
 
         Assumes SGLang's default cumulative streaming (each event carries the whole
@@ -276,9 +276,8 @@ class InferenceClient(UpdateCalls):
             lora_path=lora_path,
         )
         # Closing this stream early closes the server's stream (and ends its request) now.
-        async with contextlib.aclosing(self._resumed(progress, stream=True)) as chunks:
-            async for chunk in chunks:
-                yield chunk
+        # The resume loop itself is the stream: one generator less per token.
+        return self._resumed(progress, stream=True)
 
     async def _resumed(
         self, progress: _Progress, *, stream: bool
@@ -299,17 +298,20 @@ class InferenceClient(UpdateCalls):
                 async for data in events:
                     # Each answer carries the whole segment so far; the chunk is what is new.
                     ids, logprobs, versions, finish, top = parse_segment(
-                        data, return_logprob=progress.return_logprob, top_n=progress.top_n
+                        data,
+                        return_logprob=progress.return_logprob,
+                        top_n=progress.top_n,
+                        start=seen,
                     )
                     if lora_version is not None:  # the adapter's version, not the base's
                         versions = [lora_version] * len(versions)
                     chunk = GenerateChunk(
-                        output_ids=ids[seen:],
-                        output_logprobs=logprobs[seen:],
-                        versions=versions[seen:],
-                        top_logprobs=top[seen:] if progress.top_n else None,
+                        output_ids=ids,
+                        output_logprobs=logprobs,
+                        versions=versions,
+                        top_logprobs=top if progress.top_n else None,
                     )
-                    seen, text = len(ids), data.get("text") or ""
+                    seen, text = seen + len(ids), data.get("text") or ""
                     progress.record(chunk)
                     if finish is not None:
                         break
@@ -504,13 +506,13 @@ class PooledInferenceClient(InferenceClient):
                     async for piece in pieces:
                         buffer += piece
                         *lines, buffer = buffer.split(b"\n")
-                        for line in lines:
-                            data = _sse_data(line)
-                            if data is not None and data is not _DONE:
-                                final = (data.get("meta_info") or {}).get(
-                                    "finish_reason"
-                                ) is not None
-                                yield data
+                        # Each event carries the whole segment so far, so of the events that
+                        # arrived together only the newest says anything new: a gateway that
+                        # fell behind parses and forwards one event, not all of them.
+                        data = _newest_sse_data(lines)
+                        if data is not None:
+                            final = (data.get("meta_info") or {}).get("finish_reason") is not None
+                            yield data
                 finally:
                     if final:  # only "[DONE]" is left: read it, and the connection is reused
                         async for _ in pieces:
@@ -537,6 +539,15 @@ def _sse_data(line: bytes) -> Any:
     if isinstance(data, dict) and "error" in data and "meta_info" not in data:
         raise InferenceError(f"/generate stream error: {data['error']}", body=data)
     return data
+
+
+def _newest_sse_data(lines: list[bytes]) -> Any:
+    """The JSON of the last ``data:`` event among ``lines`` (``[DONE]`` aside), or None."""
+    for line in reversed(lines):
+        data = _sse_data(line)
+        if data is not None and data is not _DONE:
+            return data
+    return None
 
 
 async def _sse_events(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:

@@ -6,7 +6,9 @@ gateway's CPU and of its added latency (docs/benchmarks.md). This client does on
 that call needs: one origin, ``POST`` with a ``Content-Length`` body, responses with
 ``Content-Length`` or chunked bodies (parsed by ``httptools``, the parser uvicorn uses),
 keep-alive with a pool of idle connections, and HTTPS through ``ssl``. ``post_stream``
-yields a response body piece by piece as it arrives (a streamed ``/generate``'s SSE).
+yields a response body piece by piece as it arrives (a streamed ``/generate``'s SSE): each
+piece is everything that arrived since the reader last looked, so a reader that falls behind
+(a busy gateway) takes several of the server's writes in one piece instead of one at a time.
 
 There is no read timeout: a generation may legitimately wait through a pause and a
 weight update. A request written to a kept-alive connection that the server closed at
@@ -41,7 +43,7 @@ class _Connection(asyncio.Protocol):
         self.keep_alive = True
         self.idle_since = 0.0
         # While streaming: the status, then body pieces, then None (or an exception), in order.
-        self.pieces: asyncio.Queue | None = None
+        self.pieces: _Pieces | None = None
 
     # asyncio.Protocol
     def connection_made(self, transport) -> None:
@@ -62,18 +64,18 @@ class _Connection(asyncio.Protocol):
     # httptools callbacks
     def on_headers_complete(self) -> None:
         if self.pieces is not None:
-            self.pieces.put_nowait(self.parser.get_status_code())
+            self.pieces.put(self.parser.get_status_code())
 
     def on_body(self, body: bytes) -> None:
         if self.pieces is not None:
-            self.pieces.put_nowait(body)
+            self.pieces.put_body(body)
         else:
             self.body.append(body)
 
     def on_message_complete(self) -> None:
         self.keep_alive = self.parser.should_keep_alive()
         if self.pieces is not None:
-            self.pieces.put_nowait(None)
+            self.pieces.put(None)
             return
         waiter, self.waiter = self.waiter, None
         if waiter is not None and not waiter.done():
@@ -81,7 +83,7 @@ class _Connection(asyncio.Protocol):
 
     def _fail(self, exc: Exception) -> None:
         if self.pieces is not None:
-            self.pieces.put_nowait(exc)
+            self.pieces.put(exc)
         waiter, self.waiter = self.waiter, None
         if waiter is not None and not waiter.done():
             waiter.set_exception(exc)
@@ -96,8 +98,8 @@ class _Connection(asyncio.Protocol):
         self.transport.write(request)
         return self.waiter
 
-    def stream(self, request: bytes) -> asyncio.Queue:
-        self.pieces = asyncio.Queue()
+    def stream(self, request: bytes) -> _Pieces:
+        self.pieces = _Pieces()
         self.received = False
         self.parser = httptools.HttpResponseParser(self)
         assert self.transport is not None, "stream() before the connection was made"
@@ -108,6 +110,43 @@ class _Connection(asyncio.Protocol):
         self.closed = True
         if self.transport is not None:
             self.transport.close()
+
+
+class _Pieces:
+    """A streamed response as it arrives: the status, body bytes, then None or an exception.
+
+    Body bytes that arrive while the reader is busy are joined, so ``get`` answers everything
+    that is there in one piece; the status, the end and a failure keep their place in order.
+    """
+
+    def __init__(self) -> None:
+        self._items: deque = deque()
+        self._waiter: asyncio.Future | None = None
+
+    def put(self, item) -> None:
+        self._items.append(item)
+        self._wake()
+
+    def put_body(self, body: bytes) -> None:
+        if self._items and isinstance(self._items[-1], bytearray):
+            self._items[-1] += body
+        else:
+            self._items.append(bytearray(body))
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def get(self):
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        item = self._items.popleft()
+        return bytes(item) if isinstance(item, bytearray) else item
 
 
 class Http1Pool:

@@ -128,33 +128,40 @@ def token_versions(meta: dict[str, Any], n: int) -> list[int]:
 
 
 def parse_segment(
-    data: dict[str, Any], *, return_logprob: bool, top_n: int
+    data: dict[str, Any], *, return_logprob: bool, top_n: int, start: int = 0
 ) -> tuple[list[int], list[float], list[int], dict | None, list]:
-    """Parse one /generate response: ids, logprobs, versions (per token), finish_reason, top logprobs."""
+    """Parse one /generate response: ids, logprobs, versions (per token), finish_reason, top logprobs.
+
+    With ``start``, only the tokens from that index on: a streamed answer carries the whole
+    segment in every event, and converting all of it each time would cost the square of the
+    answer's length.
+    """
     try:
-        ids = [int(t) for t in data["output_ids"]]
+        raw_ids = data["output_ids"]
         meta = data["meta_info"]
+        ids = [int(t) for t in raw_ids[start:]]
     except (KeyError, TypeError, ValueError) as exc:
         raise InferenceError(f"malformed /generate response (missing {exc})", body=data) from None
+    n = len(raw_ids)
     logprobs: list[float] = []
     if return_logprob:
         entries = meta.get("output_token_logprobs") or []
-        if len(entries) != len(ids):
+        if len(entries) != n:
             raise InferenceError(
-                f"/generate returned {len(ids)} output ids but {len(entries)} output_token_logprobs",
+                f"/generate returned {n} output ids but {len(entries)} output_token_logprobs",
                 body=data,
             )
-        logprobs = [float(e[0]) for e in entries]
+        logprobs = [float(e[0]) for e in entries[start:]]
     top: list[list[tuple[float, int]]] = []
     if top_n:
         top = [
             [(float(e[0]), int(e[1])) for e in row or []]
-            for row in meta.get("output_top_logprobs") or []
+            for row in (meta.get("output_top_logprobs") or [])[start:]
         ]
     return (
         ids,
         logprobs,
-        token_versions(meta, len(ids)),
+        token_versions(meta, n)[start:] if start else token_versions(meta, n),
         meta.get("finish_reason"),
         top,
     )

@@ -12,6 +12,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather"}}]
 
 
 def _stream(tok, text: str, *, stop_token: bool = True, **request) -> tuple[ChoiceText, list]:
+    request.setdefault("logprobs", True)  # these tests follow each token's entry
     chat = ChatRequest(messages=[{"role": "user", "content": "hi"}], **request)
     choice = ChoiceText(tok, chat)
     ids = tok.encode(text)
@@ -70,3 +71,23 @@ def test_a_lone_angle_bracket_is_text_once_the_markup_is_ruled_out(chat_tokenize
     pieces = [piece for piece, _ in sent]
     assert "".join(pieces) == "a <b> c"
     assert pieces[2] == ""  # "a <" could begin "<tool_call>"
+
+
+def test_without_logprobs_tokens_that_arrive_together_are_decoded_together(chat_tokenizer):
+    text = "héllo wörld, ünïcode"
+    ids = chat_tokenizer.encode(text)
+    chat = ChatRequest(messages=[{"role": "user", "content": "hi"}])
+    choice = ChoiceText(chat_tokenizer, chat)
+    pieces = []
+    for at in range(0, len(ids), 3):  # three tokens per event, as a gateway behind would read
+        chunk = GenerateChunk(output_ids=ids[at : at + 3], output_logprobs=[], versions=[0] * 3)
+        last = at + 3 >= len(ids)
+        if last:
+            chunk.finish_reason = "length"
+        choice.add(chunk)
+        piece, entries = choice.step(last)
+        assert entries is None  # nobody asked for them: none are built
+        pieces.append(piece)
+    assert "".join(pieces) == text
+    assert not any("\ufffd" in piece for piece in pieces)
+    assert choice.output()["text"] == text

@@ -179,7 +179,7 @@ def test_rejects_non_http_urls():
         Http1Pool("ftp://example.org")
 
 
-def test_a_streamed_body_arrives_piece_by_piece_and_its_connection_is_reused():
+def test_a_streamed_body_that_arrives_at_once_is_one_piece_and_its_connection_is_reused():
     async def main():
         async with Server(lambda body: chunked({"streamed": True})) as server:
             pool = Http1Pool(server.url)
@@ -187,11 +187,46 @@ def test_a_streamed_body_arrives_piece_by_piece_and_its_connection_is_reused():
                 stream = pool.post_stream("/g", b"{}")
                 assert await anext(stream) == 200
                 pieces = [piece async for piece in stream]
-                assert len(pieces) == 2 and json.loads(b"".join(pieces)) == {"streamed": True}
+                # The server wrote both chunks at once: the reader gets them joined.
+                assert pieces == [json.dumps({"streamed": True}).encode()]
             await pool.close()
             return server.connections
 
     assert run(main()) == 1
+
+
+def test_a_streamed_body_arrives_piece_by_piece_and_what_piles_up_is_joined():
+    async def main():
+        reader_took_first = asyncio.Event()
+
+        async def handle(reader, writer):
+            await reader.readuntil(b"\r\n\r\n")
+            await reader.readexactly(2)
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n1\r\na\r\n")
+            await writer.drain()
+            await reader_took_first.wait()
+            for piece in (b"b", b"c", b"d"):  # three writes while the reader is not looking
+                writer.write(b"1\r\n" + piece + b"\r\n")
+                await writer.drain()
+            await asyncio.sleep(0.05)
+            writer.write(b"1\r\ne\r\n0\r\n\r\n")
+            await writer.drain()
+            writer.close()
+
+        port = free_port()
+        server = await asyncio.start_server(handle, "127.0.0.1", port)
+        pool = Http1Pool(f"http://127.0.0.1:{port}")
+        stream = pool.post_stream("/g", b"{}")
+        assert await anext(stream) == 200
+        pieces = [await anext(stream)]
+        reader_took_first.set()
+        await asyncio.sleep(0.03)  # the reader is busy while b, c and d arrive
+        pieces += [piece async for piece in stream]
+        await pool.close()
+        server.close()
+        return pieces
+
+    assert run(main()) == [b"a", b"bcd", b"e"]
 
 
 def test_a_stream_closed_early_closes_its_connection():

@@ -46,6 +46,7 @@ class ChoiceText:
         self.openers = self.stops + ([TOOL_CALL_OPEN] if chat.rendered_tools else [])
         self.tools = bool(chat.rendered_tools)
         self.top_n = chat.top_logprobs
+        self.want_logprobs = bool(chat.logprobs)
         self.ids: list[int] = []
         self.logprobs: list[float] = []
         self.versions: list[int] = []
@@ -59,9 +60,14 @@ class ChoiceText:
         self.stop_token = False  # the last token is the stop token: neither text nor logprob
 
     def add(self, chunk: GenerateChunk) -> None:
-        for token in chunk.output_ids:
-            self.ids.append(token)
-            self.ends.append(-1)  # until its text is decoded
+        if self.want_logprobs:  # each token's own end, for the chunk that sends its entry
+            for token in chunk.output_ids:
+                self.ids.append(token)
+                self.ends.append(-1)  # until its text is decoded
+                self._decode(final=False)
+        elif chunk.output_ids:  # the tokens that arrived together are decoded together
+            self.ids += chunk.output_ids
+            self.ends += [-1] * len(chunk.output_ids)
             self._decode(final=False)
         self.logprobs += chunk.output_logprobs
         self.versions += chunk.versions
@@ -129,7 +135,7 @@ class ChoiceText:
             end = self.sendable()
         piece = self.text[self.sent : end] if end > self.sent else ""
         self.sent = max(self.sent, end)
-        return piece, self._entries(final)
+        return piece, self._entries(final) if self.want_logprobs else None
 
     def _entries(self, final: bool) -> list[dict]:
         last = len(self.ids) - (1 if self.stop_token else 0)
@@ -215,6 +221,7 @@ class CompletionStream:
         self.sent_logprobs: list[list[dict]] = [[] for _ in range(chat.n)]
         self.content: list[str] = ["" for _ in range(chat.n)]
         self.fingerprint = f"steep-v{generation.version}"
+        self._frames: dict[int, tuple[bytes, bytes] | None] = {}  # ``_content_frame``
 
     def _chunk(self, choices: list[dict], usage: Any = None) -> bytes:
         body = {
@@ -242,7 +249,22 @@ class CompletionStream:
             self.sent_logprobs[index] += entries or []
         if not piece and not send_lp:
             return None
-        return self._delta(index, {"content": piece}, entries if send_lp else None)
+        if send_lp:
+            return self._delta(index, {"content": piece}, entries)
+        # The common chunk, once per token: the same bytes as ``_delta`` would build, but
+        # from a prefix and suffix made once per stream.
+        frame = self._content_frame(index)
+        if frame is None:
+            return self._delta(index, {"content": piece})
+        return frame[0] + orjson.dumps(piece) + frame[1]
+
+    def _content_frame(self, index: int) -> tuple[bytes, bytes] | None:
+        if index not in self._frames:
+            marker = orjson.dumps("\x00")  # marks where the content goes
+            parts = self._delta(index, {"content": "\x00"}).split(marker)
+            # None (build each chunk whole) if the marker is also elsewhere, e.g. in the model
+            self._frames[index] = (parts[0], parts[1]) if len(parts) == 2 else None
+        return self._frames[index]
 
     async def events(self):
         """Role chunks, content deltas as tokens arrive, then the recorded finish, usage, [DONE]."""
@@ -271,14 +293,20 @@ class CompletionStream:
                     self.content[index] += extra
             response = await self._record(calls)
             recorded = True
-            for index, found in enumerate(calls):
-                for position, call in enumerate(found):
-                    yield self._delta(index, {"tool_calls": [{"index": position, **call}]})
-            for choice in response["choices"]:
-                yield self._delta(choice["index"], {}, finish=choice["finish_reason"])
+            # Everything after the record goes out in one write: it is all known at once.
+            tail = [
+                self._delta(index, {"tool_calls": [{"index": position, **call}]})
+                for index, found in enumerate(calls)
+                for position, call in enumerate(found)
+            ]
+            tail += [
+                self._delta(choice["index"], {}, finish=choice["finish_reason"])
+                for choice in response["choices"]
+            ]
             if self.chat.include_usage:
-                yield self._chunk([], usage=response["usage"])
-            yield b"data: [DONE]\n\n"
+                tail.append(self._chunk([], usage=response["usage"]))
+            tail.append(b"data: [DONE]\n\n")
+            yield b"".join(tail)
         except (asyncio.CancelledError, GeneratorExit):
             if not recorded:  # the client went away: abort on the engine, keep the turn
                 await asyncio.shield(self._abort())
