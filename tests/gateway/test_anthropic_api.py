@@ -84,6 +84,25 @@ def test_sampling_fields_and_stop_sequences_are_the_turns_sampling(gw):
     assert interaction.sampling["stop"] == ["###"]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_sequence_that_ends_the_answer_is_reported_as_anthropics_stop_sequence(gw, stream):
+    client = _client(gw)
+    free = client.messages.create(model=gw.model, max_tokens=12, messages=HI, extra_body=GREEDY)
+    text = free.content[0].text
+    # A piece of the greedy answer that occurs there first: the same request stopped by it
+    stop = next(text[k : k + 2] for k in range(1, len(text) - 1) if text.find(text[k : k + 2]) == k)
+    asked = dict(model=gw.model, max_tokens=12, messages=HI, stop_sequences=[stop, "@@@@"])
+    if stream:
+        events = list(client.messages.create(**asked, stream=True, extra_body=GREEDY))
+        delta = events[-2].delta
+        said = "".join(e.delta.text for e in events if e.type == "content_block_delta")
+        reason, sequence = delta.stop_reason, delta.stop_sequence
+    else:
+        message = client.messages.create(**asked, extra_body=GREEDY)
+        said, reason, sequence = message.content[0].text, message.stop_reason, message.stop_sequence
+    assert (said, reason, sequence) == (text[: text.find(stop)], "stop_sequence", stop)
+
+
 def test_a_bearer_key_works_as_well_as_x_api_key(gw):
     response = gw.http.post(
         f"{gw.base_url}/messages",

@@ -86,6 +86,7 @@ async def test_each_chat_delta_becomes_one_event_and_they_add_up_to_the_completi
         {
             "index": 0,
             "finish_reason": "tool_calls",
+            "matched_stop": None,
             "message": {
                 "role": "assistant",
                 "content": "Let me",

@@ -239,3 +239,67 @@ def test_a_stream_with_every_server_dead_is_a_503_before_any_event(
     response = gw.post("/chat/completions", {"messages": HI, "stream": True})
     assert openai_error(response, 503)["code"] == "inference_unavailable"
     assert not Session.objects.exists() and not Interaction.objects.exists()
+
+
+def test_djangos_route_also_aborts_a_stream_whose_client_went_away(gw, engine):
+    """The same stream through Django's view (the route used where the fast route is not, e.g.
+    under another ASGI server): its ASGI handler cancels the response when the client goes
+    away, and the turn is recorded aborted as on the fast route."""
+    import asyncio
+
+    from django.core.asgi import get_asgi_application
+
+    session_id, key = gw.start_session()
+    body = {"model": gw.model, "messages": HI, "max_tokens": 400, "stream": True}
+    sent: list[dict] = []
+
+    async def call() -> None:
+        first_event = asyncio.Event()
+        requested = False
+
+        async def receive() -> dict:
+            nonlocal requested
+            if not requested:
+                requested = True
+                return {"type": "http.request", "body": json.dumps(body).encode()}
+            await first_event.wait()  # gone once the first event arrived
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+            if message["type"] == "http.response.body" and message.get("body"):
+                first_event.set()
+
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": f"/agents/{gw.agent.id}/v1/chat/completions",
+            "raw_path": f"/agents/{gw.agent.id}/v1/chat/completions".encode(),
+            "root_path": "",
+            "query_string": b"",
+            "headers": [
+                (b"host", b"testserver"),
+                (b"authorization", f"Bearer {key}".encode()),
+                (b"content-type", b"application/json"),
+            ],
+            "client": ("127.0.0.1", 50000),
+            "server": ("testserver", 80),
+        }
+        await asyncio.wait_for(get_asgi_application()(scope, receive, send), 120)
+
+    aborted_before = _engine_state(engine)["num_aborted_reqs"]
+    with _slow(engine):
+        asyncio.run(call())
+        turn = _wait_for(
+            lambda: Interaction.objects.filter(session_id=session_id).first(), "the aborted turn"
+        )
+        assert _engine_state(engine)["num_aborted_reqs"] == aborted_before + 1
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
+    first = json.loads(sent[1]["body"].split(b"\n")[0][6:])
+    assert first["id"] == turn.id
+    assert turn.aborted and turn.outputs[0]["finish_reason"] == "abort"
+    assert len(turn.outputs[0]["output_ids"]) < 400
+    assert session_trajectories(Session.objects.get(pk=session_id)) == []

@@ -13,8 +13,8 @@ the interaction id. Errors keep the chat path's status codes in Anthropic's shap
 ``{"type": "error", "error": {"type", "message"}}``.
 
 ``stop_reason``: ``tool_use`` when the answer calls tools, ``max_tokens`` when it was cut,
-otherwise ``end_turn``. A chat turn does not say whether a stop sequence or the model's end
-of turn ended it, so ``stop_sequence`` is never reported (a known limit).
+``stop_sequence`` (with the sequence in ``stop_sequence``) when one of ``stop_sequences``
+ended it (the chat turn's ``matched_stop``), otherwise ``end_turn``.
 """
 
 from __future__ import annotations
@@ -320,9 +320,13 @@ def render_message(completion: dict) -> dict:
                 "input": _input(call["function"]["arguments"]),
             }
         )
+    matched = choice.get("matched_stop") if choice["finish_reason"] == "stop" else None
     return _head(completion["id"], completion["model"]) | {
         "content": content,
-        "stop_reason": _STOP_REASONS.get(choice["finish_reason"], "end_turn"),
+        "stop_reason": "stop_sequence"
+        if matched
+        else _STOP_REASONS.get(choice["finish_reason"], "end_turn"),
+        "stop_sequence": matched or None,
         "usage": _usage(completion.get("usage") or {}),
     }
 
@@ -388,7 +392,10 @@ async def message_stream(events: AsyncIterator[ChatEvent]) -> AsyncIterator[byte
                 message = render_message(item.completion)
                 yield _event(
                     "message_delta",
-                    delta={"stop_reason": message["stop_reason"], "stop_sequence": None},
+                    delta={
+                        "stop_reason": message["stop_reason"],
+                        "stop_sequence": message["stop_sequence"],
+                    },
                     usage=message["usage"],
                 )
                 yield _event("message_stop")

@@ -127,7 +127,7 @@ async def _streamed(chunks: AsyncIterator[bytes]) -> AsyncIterator[ChatEvent]:
     head: dict | None = None
     text: list[str] = []
     calls: dict[int, dict] = {}
-    finish, usage = None, None
+    finish, usage, matched = None, None, None
     async with contextlib.aclosing(_sse_data(chunks)) as data:
         async for chunk in data:
             if "error" in chunk:
@@ -147,10 +147,11 @@ async def _streamed(chunks: AsyncIterator[bytes]) -> AsyncIterator[ChatEvent]:
                 for call in delta.get("tool_calls") or []:
                     yield _tool_call_delta(call, calls)
                 finish = choice.get("finish_reason") or finish
+                matched = choice.get("matched_stop") or matched
     if head is None:
         yield Failed({"message": "The answer ended before it began.", "type": "api_error"})
         return
-    yield Completed(_completion(head, "".join(text), calls, finish, usage))
+    yield Completed(_completion(head, "".join(text), calls, finish, usage, matched))
 
 
 def _tool_call_delta(call: dict, calls: dict[int, dict]) -> ToolCallDelta:
@@ -165,7 +166,9 @@ def _tool_call_delta(call: dict, calls: dict[int, dict]) -> ToolCallDelta:
     )
 
 
-def _completion(head: dict, text: str, calls: dict[int, dict], finish, usage) -> dict:
+def _completion(
+    head: dict, text: str, calls: dict[int, dict], finish, usage, matched_stop=None
+) -> dict:
     message: dict = {"role": "assistant", "content": text if text or not calls else None}
     if calls:
         message["tool_calls"] = [
@@ -181,7 +184,14 @@ def _completion(head: dict, text: str, calls: dict[int, dict], finish, usage) ->
         "object": "chat.completion",
         "created": head["created"],
         "model": head["model"],
-        "choices": [{"index": 0, "message": message, "finish_reason": finish or "stop"}],
+        "choices": [
+            {
+                "index": 0,
+                "message": message,
+                "finish_reason": finish or "stop",
+                "matched_stop": matched_stop,
+            }
+        ],
         "usage": usage or {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
     }
 

@@ -58,6 +58,7 @@ class ChoiceText:
         self.sent_tokens = 0  # tokens whose logprob entries were sent
         self.finish: str | None = None
         self.stop_token = False  # the last token is the stop token: neither text nor logprob
+        self.matched_stop: str | int | None = None  # what the engine says ended it
 
     def add(self, chunk: GenerateChunk) -> None:
         if self.want_logprobs:  # each token's own end, for the chunk that sends its entry
@@ -76,6 +77,7 @@ class ChoiceText:
         if chunk.finish_reason is not None:
             self._decode(final=True)
             self.finish = chunk.finish_reason
+            self.matched_stop = chunk.matched_stop
             self.stop_token = (
                 chunk.finish_reason == "stop"
                 and isinstance(chunk.matched_stop, int)
@@ -170,6 +172,15 @@ class ChoiceText:
                     }
                 )
         return entry
+
+    def stop_hit(self) -> str | None:
+        """The stop string that ended the text: the engine's word for it, else where it is."""
+        if isinstance(self.matched_stop, str) and self.matched_stop in self.stops:
+            return self.matched_stop
+        cut = _first(self.text, self.stops, 0)
+        if cut is None:
+            return None
+        return min((s for s in self.stops if self.text.startswith(s, cut)), key=len)
 
     def tool_calls(self) -> tuple[list[dict], str]:
         """At the end: the parsed calls, and the text around them still to send as content."""
@@ -300,7 +311,17 @@ class CompletionStream:
                 for position, call in enumerate(found)
             ]
             tail += [
-                self._delta(choice["index"], {}, finish=choice["finish_reason"])
+                self._chunk(
+                    [
+                        {
+                            "index": choice["index"],
+                            "delta": {},
+                            "logprobs": None,
+                            "finish_reason": choice["finish_reason"],
+                            "matched_stop": choice["matched_stop"],  # as SGLang's last chunk
+                        }
+                    ]
+                )
                 for choice in response["choices"]
             ]
             if self.chat.include_usage:
@@ -339,6 +360,7 @@ class CompletionStream:
                     "index": index,
                     "message": message,
                     "finish_reason": finish,
+                    "matched_stop": choice.stop_hit() if finish == "stop" else None,
                     "logprobs": {"content": self.sent_logprobs[index], "refusal": None}
                     if self.chat.logprobs
                     else None,
