@@ -76,7 +76,16 @@ def steep_up(transactional_db, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_the_walkthrough_runs_as_printed_against_steep_up(steep_up, tmp_path):
+def test_the_walkthrough_runs_as_printed_then_a_second_project_trains_on_the_demo_pool(
+    steep_up, tmp_path
+):
+    """One ``./steep up`` for both (each start costs a minute of the suite): the README's
+    walkthrough as printed, then a second project's LoRA run beside the online demo run."""
+    walkthrough_runs_as_printed(steep_up, tmp_path)
+    second_projects_lora_run_trains_on_the_demo_pool(steep_up)
+
+
+def walkthrough_runs_as_printed(steep_up, tmp_path) -> None:
     from webapp.gateway.models import Session
     from webapp.runs.models import Run
 
@@ -134,9 +143,9 @@ def test_the_walkthrough_runs_as_printed_against_steep_up(steep_up, tmp_path):
     assert Run.objects.get(pk=run.pk).status == "running"
 
 
-@pytest.mark.slow
-def test_a_second_projects_lora_run_started_from_the_dashboard_trains_on_the_demo_pool(steep_up):
-    """Issue 17 item 5: beside the online demo run, on the demo pool's one engine."""
+def second_projects_lora_run_trains_on_the_demo_pool(steep_up) -> None:
+    """Issue 17 item 5: a second project's LoRA run, started from the dashboard, trains
+    beside the online demo run on the demo pool's one engine."""
     import json
 
     from rl_core.toy import DEMO_REWARD, demo_rows

@@ -50,7 +50,11 @@ class Steep:
     def __init__(self, data_dir: Path, port: int, log_dir: Path):
         self.data_dir, self.port, self.log_dir = data_dir, port, log_dir
         self.url = f"http://127.0.0.1:{port}"
-        self.env = steep_env(data_dir=data_dir, local_ray=True, STEEP_PORT=str(port))
+        # The built-in demo agent stays off: what it adds (the online demo run training all
+        # the time) is not what this test is about, and on two cores it slowed every cycle.
+        self.env = steep_env(
+            data_dir=data_dir, local_ray=True, STEEP_PORT=str(port), STEEP_DEMO_AGENT="false"
+        )
         for name in ("SITE_URL", "INTERNAL_API_URL", "STEEP_HOST", "LOG_FORMAT"):
             self.env.pop(name, None)
         self.process: subprocess.Popen | None = None
