@@ -244,6 +244,8 @@ else:
     # kombu's file-system transport: a real broker shared by every process on this machine.
     # (The host means nothing to it; kombu warns at every connection when there is none.)
     CELERY_BROKER_URL = "filesystem://localhost//"
+    # kombu's transport with messages that appear whole (workers/fs_broker.py says why)
+    CELERY_BROKER_TRANSPORT = "workers.fs_broker:Transport"
     CELERY_BROKER_TRANSPORT_OPTIONS = {
         "data_folder_in": str(_broker / "queue"),
         "data_folder_out": str(_broker / "queue"),
