@@ -30,6 +30,26 @@ LONG_POLL_S = 30.0
 RETRY_S = 120.0
 
 
+def job_arguments(description: str, id_flag: str, argv: list[str] | None) -> tuple[str, str, str]:
+    """A Ray job's start (the run's and the pool's alike): its id (``--run-id`` or
+    ``--pool-id``), the web app's URL and the job secret; logging set up and Ray joined."""
+    import argparse
+    import os
+
+    import ray
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument(id_flag, required=True)
+    parser.add_argument("--web-url", required=True, help="Base URL of the web app's internal API.")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    secret = os.environ.get("STEEP_JOB_SECRET", "")
+    if not secret:
+        raise SystemExit("STEEP_JOB_SECRET is not set: the job cannot authenticate to the web app.")
+    ray.init(address="auto", logging_level=logging.WARNING)
+    return getattr(args, id_flag.removeprefix("--").replace("-", "_")), args.web_url, secret
+
+
 class InternalAPI:
     def __init__(self, base_url: str, run_id: str, secret: str, *, timeout: float = 60.0):
         self.prefix = f"{base_url.rstrip('/')}/internal/v1/runs/{run_id}"

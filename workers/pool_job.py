@@ -16,7 +16,6 @@ pool load their adapters on these servers from their own jobs (``workers.ray_job
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
@@ -27,7 +26,7 @@ import httpx
 import ray
 
 from workers.capacity import placement_timeout_s, resolve_backend
-from workers.job_api import LONG_POLL_S, InternalAPI
+from workers.job_api import LONG_POLL_S, InternalAPI, job_arguments
 from workers.replicas import PooledReplica
 
 logger = logging.getLogger("steep.pool")
@@ -152,18 +151,12 @@ async def run_pool(pool_id: str, web_url: str, secret: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Keep one Steep inference pool's servers up.")
-    parser.add_argument("--pool-id", required=True)
-    parser.add_argument("--web-url", required=True, help="Base URL of the web app's internal API.")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    secret = os.environ.get("STEEP_JOB_SECRET", "")
-    if not secret:
-        raise SystemExit("STEEP_JOB_SECRET is not set: the job cannot authenticate to the web app.")
-    ray.init(address="auto", logging_level=logging.WARNING)
+    pool_id, web_url, secret = job_arguments(
+        "Keep one Steep inference pool's servers up.", "--pool-id", argv
+    )
 
     async def serve() -> None:
-        task = asyncio.ensure_future(run_pool(args.pool_id, args.web_url, secret))
+        task = asyncio.ensure_future(run_pool(pool_id, web_url, secret))
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
         try:
             await task

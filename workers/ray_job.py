@@ -20,7 +20,6 @@ turns running) once the trainer's weights are on them.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
@@ -36,7 +35,7 @@ import ray
 from rl_core.config import RunConfig
 from rl_core.failpoints import ENV as FAILPOINTS
 from workers.capacity import CapacityError, check_capacity, placement_timeout_s, resolve_backend
-from workers.job_api import InternalAPI, WebEpisodeSink, WebReporter, WebSource
+from workers.job_api import InternalAPI, WebEpisodeSink, WebReporter, WebSource, job_arguments
 from workers.replicas import InferenceReplica, ray_options
 
 logger = logging.getLogger("steep.job")
@@ -339,16 +338,10 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Run one Steep training run (a Ray job).")
-    parser.add_argument("--run-id", required=True)
-    parser.add_argument("--web-url", required=True, help="Base URL of the web app's internal API.")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    secret = os.environ.get("STEEP_JOB_SECRET", "")
-    if not secret:
-        raise SystemExit("STEEP_JOB_SECRET is not set: the job cannot authenticate to the web app.")
-    ray.init(address="auto", logging_level=logging.WARNING)
-    asyncio.run(run_job(args.run_id, args.web_url, secret))
+    run_id, web_url, secret = job_arguments(
+        "Run one Steep training run (a Ray job).", "--run-id", argv
+    )
+    asyncio.run(run_job(run_id, web_url, secret))
 
 
 if __name__ == "__main__":

@@ -99,3 +99,15 @@ async def test_it_gives_up_once_retry_s_has_run_out():
             await api.call("GET", "config", retry_s=1.0)
     finally:
         await api.aclose()
+
+
+@pytest.mark.parametrize(
+    ("module", "flag"), [("workers.ray_job", "--run-id"), ("workers.pool_job", "--pool-id")]
+)
+def test_a_job_started_without_its_secret_refuses_to_start_saying_why(module, flag, monkeypatch):
+    import importlib
+
+    monkeypatch.delenv("STEEP_JOB_SECRET", raising=False)
+    job = importlib.import_module(module)
+    with pytest.raises(SystemExit, match="STEEP_JOB_SECRET is not set"):
+        job.main([flag, "0123", "--web-url", "http://127.0.0.1:1"])

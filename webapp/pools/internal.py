@@ -37,6 +37,17 @@ def _admit(request: HttpRequest, pool_id: str, method: str) -> Pool | JsonRespon
     return pool
 
 
+def _admit_post(request: HttpRequest, pool_id: str) -> tuple[Pool, dict] | JsonResponse:
+    """``_admit`` for a POST, with its JSON body."""
+    pool = _admit(request, pool_id, "POST")
+    if isinstance(pool, JsonResponse):
+        return pool
+    try:
+        return pool, _body(request)
+    except BadRequest as exc:
+        return _error(400, str(exc))
+
+
 @csrf_exempt
 def config(request: HttpRequest, pool_id: str):
     pool = _admit(request, pool_id, "GET")
@@ -60,13 +71,10 @@ def config(request: HttpRequest, pool_id: str):
 
 @csrf_exempt
 def servers(request: HttpRequest, pool_id: str):
-    pool = _admit(request, pool_id, "POST")
-    if isinstance(pool, JsonResponse):
-        return pool
-    try:
-        data = _body(request)
-    except BadRequest as exc:
-        return _error(400, str(exc))
+    admitted = _admit_post(request, pool_id)
+    if isinstance(admitted, JsonResponse):
+        return admitted
+    pool, data = admitted
     url, action = data.get("url"), data.get("action", "register")
     if not isinstance(url, str) or not url.startswith("http"):
         return _error(400, "'url' must be an http(s) URL")
@@ -84,13 +92,10 @@ def servers(request: HttpRequest, pool_id: str):
 
 @csrf_exempt
 def status(request: HttpRequest, pool_id: str):
-    pool = _admit(request, pool_id, "POST")
-    if isinstance(pool, JsonResponse):
-        return pool
-    try:
-        data = _body(request)
-    except BadRequest as exc:
-        return _error(400, str(exc))
+    admitted = _admit_post(request, pool_id)
+    if isinstance(admitted, JsonResponse):
+        return admitted
+    pool, data = admitted
     target, error = data.get("status"), data.get("error", "")
     if target not in (Pool.Status.RUNNING, Pool.Status.STOPPED, Pool.Status.FAILED):
         return _error(400, "'status' must be running, stopped or failed")
