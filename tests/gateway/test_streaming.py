@@ -303,3 +303,32 @@ def test_djangos_route_also_aborts_a_stream_whose_client_went_away(gw, engine):
     assert turn.aborted and turn.outputs[0]["finish_reason"] == "abort"
     assert len(turn.outputs[0]["output_ids"]) < 400
     assert session_trajectories(Session.objects.get(pk=session_id)) == []
+
+
+def test_a_one_turn_stream_whose_client_left_ends_dropped_and_gives_its_slot_back(gw, engine, http):
+    from webapp.runs.models import Run
+
+    body = {"model": gw.model, "messages": HI, "max_tokens": 400, "stream": True}
+    with _slow(engine):
+        with http.stream(
+            "POST",
+            gw.base_url + "/chat/completions",
+            json=body,
+            headers={"Authorization": f"Bearer {gw.key}"},  # the project key: a one-turn session
+        ) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            interaction_id = json.loads(next(line for line in lines if line)[6:])["id"]
+        turn = _wait_for(
+            lambda: Interaction.objects.filter(pk=interaction_id).first(), "the aborted turn"
+        )
+    session = turn.session
+    assert turn.aborted and session.one_turn
+    # Nothing of it can train, so it does not wait to expire holding an admission slot.
+    assert (session.status, session.trajectory, session.drop_reason) == (
+        Session.Status.ENDED,
+        Session.Trajectory.DROPPED,
+        "aborted",
+    )
+    run = Run.objects.get(pk=session.run_id)
+    assert (run.sessions_open, run.sessions_accepted) == (0, 0)

@@ -174,6 +174,7 @@ def test_a_human_run_drops_sessions_nobody_rated_in_time_and_counts_why(
     late.refresh_from_db()
     fresh.refresh_from_db()
     assert (late.trajectory, fresh.trajectory) == (T.DROPPED, T.UNREWARDED)
+    assert late.drop_reason == "human_timeout"  # the ledger's dropped_by_reason says so too
     summary = reward_summary(run=run)
     assert (summary["dropped"], summary["pending"]) == (1, 1)
     assert summary["reasons"] == [

@@ -67,7 +67,10 @@ UNCLAIMABLE_RUN_STATUSES = (_R.COMPLETED, _R.FAILED, _R.STOPPED, _R.INTERRUPTED)
 
 _SESSIONS, _INTERACTIONS = Session._meta.db_table, Interaction._meta.db_table
 _RECORDS = TrainingRecord._meta.db_table
-DROP_STALE = "stale"  # the one reason a trajectory is dropped today (``Session.drop_reason``)
+# Why a trajectory was dropped (``Session.drop_reason``): no token within ``max_staleness``;
+# its only turn was aborted (a streamed one-turn completion whose client went away); its human
+# reward did not come in time.
+DROP_STALE, DROP_ABORTED, DROP_HUMAN_TIMEOUT = "stale", "aborted", "human_timeout"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,13 +250,15 @@ def rewarded_after_end(cursor, session_id) -> bool:
     return moved == 1
 
 
-def drop_unrewarded(cursor, session_id) -> bool:
-    """An ended session whose reward never came (a human reward's timeout) is dropped: never
-    trained, and counted as such. False (and nothing changes) when it was not unrewarded."""
+def drop_unrewarded(cursor, session_id, *, reason: str) -> bool:
+    """An ended session that will not be rewarded (a human reward's timeout; an aborted
+    one-turn completion) is dropped with ``reason``: never trained, and counted as such.
+    False (and nothing changes) when it was not unrewarded."""
     moved = sql.changed_rows(
         cursor,
-        f"UPDATE {_SESSIONS} SET trajectory = %s WHERE id = %s AND status = %s AND trajectory = %s",
-        [T.DROPPED, sql.pk(cursor, Session, session_id), S.ENDED, T.UNREWARDED],
+        f"UPDATE {_SESSIONS} SET trajectory = %s, drop_reason = %s"
+        " WHERE id = %s AND status = %s AND trajectory = %s",
+        [T.DROPPED, reason, sql.pk(cursor, Session, session_id), S.ENDED, T.UNREWARDED],
     )
     # Neither state holds an admission slot: no counter moves.
     return moved == 1

@@ -90,7 +90,7 @@ class Session(models.Model):
         blank=True,
         default="",
         db_default="",
-        help_text="Why a dropped trajectory was not trained: stale.",
+        help_text="Why a dropped trajectory was not trained: stale, aborted or human_timeout.",
     )
 
     class Meta:

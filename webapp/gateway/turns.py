@@ -447,6 +447,12 @@ def record(
                 "created_at": now,
             },
         )
+        if turn.opened and outputs and all(out.get("aborted") for out in outputs):
+            # A one-turn session whose only turn was aborted has nothing to train: it ends
+            # now, dropped, and gives its admission slot back instead of holding it until
+            # it expires. The turn stays for inspection.
+            lifecycle.end(cursor, turn.session_id)
+            lifecycle.drop_unrewarded(cursor, turn.session_id, reason=lifecycle.DROP_ABORTED)
         if not turn.opened:
             cursor.execute(
                 f"UPDATE {_SESSIONS} SET interaction_count = %s, last_activity_at = %s,"

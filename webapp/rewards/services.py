@@ -299,7 +299,9 @@ def human_timeouts(*, now: datetime | None = None) -> int:
         timeout = reward_setting(_reward_spec(request.run), "timeout_s")
         with transaction.atomic():
             with connection.cursor() as cursor:
-                moved = lifecycle.drop_unrewarded(cursor, request.session_id)
+                moved = lifecycle.drop_unrewarded(
+                    cursor, request.session_id, reason=lifecycle.DROP_HUMAN_TIMEOUT
+                )
             RewardRequest.objects.filter(pk=request.pk, state=R.PENDING).update(
                 state=R.DROPPED if moved else R.SCORED,
                 reason=f"no human feedback within {timeout:g} s of the session's end"
