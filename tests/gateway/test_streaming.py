@@ -44,6 +44,19 @@ def _wait_for(condition, what: str, timeout: float = 60.0):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def _leave_after_first_event(http, gw, body: dict, key: str) -> str:
+    """Stream ``body`` with ``key``, go away after the first event; the interaction id."""
+    with http.stream(
+        "POST",
+        gw.base_url + "/chat/completions",
+        json=body,
+        headers={"Authorization": f"Bearer {key}"},
+    ) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        return json.loads(next(line for line in lines if line)[6:])["id"]
+
+
 def test_the_first_chunk_arrives_while_the_engine_is_still_generating(gw, engine):
     with _slow(engine):
         stream = gw.openai().chat.completions.create(
@@ -124,16 +137,8 @@ def test_a_client_that_goes_away_mid_stream_aborts_the_engine_request_and_the_tu
     aborted_before = _engine_state(engine)["num_aborted_reqs"]
     body = {"model": gw.model, "messages": messages, "max_tokens": 400, "stream": True}
     with _slow(engine):
-        with http.stream(
-            "POST",
-            gw.base_url + "/chat/completions",
-            json=body,
-            headers={"Authorization": f"Bearer {key}"},
-        ) as response:
-            assert response.status_code == 200
-            lines = response.iter_lines()
-            interaction_id = json.loads(next(line for line in lines if line)[6:])["id"]
-            # Gone after the first event, while the engine still generates (400 slow tokens).
+        # Gone after the first event, while the engine still generates (400 slow tokens).
+        interaction_id = _leave_after_first_event(http, gw, body, key)
         turn = _wait_for(
             lambda: Interaction.objects.filter(pk=interaction_id).first(), "the aborted turn"
         )
@@ -310,15 +315,8 @@ def test_a_one_turn_stream_whose_client_left_ends_dropped_and_gives_its_slot_bac
 
     body = {"model": gw.model, "messages": HI, "max_tokens": 400, "stream": True}
     with _slow(engine):
-        with http.stream(
-            "POST",
-            gw.base_url + "/chat/completions",
-            json=body,
-            headers={"Authorization": f"Bearer {gw.key}"},  # the project key: a one-turn session
-        ) as response:
-            assert response.status_code == 200
-            lines = response.iter_lines()
-            interaction_id = json.loads(next(line for line in lines if line)[6:])["id"]
+        # The project key: a one-turn session
+        interaction_id = _leave_after_first_event(http, gw, body, gw.key)
         turn = _wait_for(
             lambda: Interaction.objects.filter(pk=interaction_id).first(), "the aborted turn"
         )

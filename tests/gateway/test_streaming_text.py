@@ -91,3 +91,14 @@ def test_without_logprobs_tokens_that_arrive_together_are_decoded_together(chat_
     assert "".join(pieces) == text
     assert not any("\ufffd" in piece for piece in pieces)
     assert choice.output()["text"] == text
+
+
+def test_the_matched_stop_is_the_engines_word_else_the_first_in_the_text():
+    from webapp.gateway.chat_request import matched_stop
+
+    stops = ["abc", "ab", "zz"]
+    assert matched_stop("xx ab and zz", stops, "zz") == "zz"  # the engine named it
+    assert matched_stop("xx abc, zz", stops, 50256) == "ab"  # a token id: found in the text,
+    assert matched_stop("xx abc, zz", stops) == "ab"  # where the shorter one ended it first
+    assert matched_stop("xx zz ab", stops, "not asked") == "zz"
+    assert matched_stop("nothing", stops) is None

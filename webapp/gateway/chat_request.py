@@ -303,6 +303,16 @@ def storable_text(text: str) -> str:
     return text.replace("\x00", "\ufffd")
 
 
+def matched_stop(text: str, stops: list[str], engine_said: Any = None) -> str | None:
+    """The stop string that ended ``text`` (SGLang's ``matched_stop``): the engine's word for
+    it when it names one of ``stops``, else the one found first in the text (the shortest of
+    those starting there, which the engine meets first), or None."""
+    if isinstance(engine_said, str) and engine_said in stops:
+        return engine_said
+    found = [(text.find(s), len(s), s) for s in stops if s and s in text]
+    return min(found)[2] if found else None
+
+
 def content_text(content: Any) -> str:
     if content is None:
         return ""

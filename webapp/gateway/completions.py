@@ -30,6 +30,7 @@ from webapp.gateway.caches import CACHES
 from webapp.gateway.chat_request import (
     ChatRequest,
     check_storable,
+    matched_stop,
     parse_chat_request,
     storable_text,
 )
@@ -312,9 +313,7 @@ def _completion(
     completion_tokens = 0
     for index, result in enumerate(results):
         decoded = storable_text(tok.decode(result.output_ids))
-        text, stop_hit = _trim_stop(decoded, chat.stop), first_stop(decoded, chat.stop)
-        if isinstance(result.matched_stop, str) and result.matched_stop in chat.stop:
-            stop_hit = result.matched_stop  # the engine's word for it
+        text = _trim_stop(decoded, chat.stop)
         content, tool_calls = parse_tool_calls(text) if chat.rendered_tools else (text, [])
         finish = (
             "tool_calls"
@@ -329,7 +328,9 @@ def _completion(
             "message": message,
             "finish_reason": finish,
             # As SGLang's: the stop string that ended the answer (Anthropic's stop_sequence)
-            "matched_stop": stop_hit if finish == "stop" else None,
+            "matched_stop": matched_stop(decoded, chat.stop, result.matched_stop)
+            if finish == "stop"
+            else None,
             "logprobs": _logprobs(chat, tok, result) if chat.logprobs else None,
         }
         choices.append(choice)
@@ -362,12 +363,6 @@ def _completion(
 def _trim_stop(text: str, stops: list[str]) -> str:
     cut = min((text.find(s) for s in stops if s and s in text), default=-1)
     return text[:cut] if cut >= 0 else text
-
-
-def first_stop(text: str, stops: list[str]) -> str | None:
-    """The stop string that occurs first in ``text`` (where ``_trim_stop`` cuts), or None."""
-    found = [(text.find(s), s) for s in stops if s and s in text]
-    return min(found)[1] if found else None
 
 
 def _logprobs(chat: ChatRequest, tok, result) -> dict:

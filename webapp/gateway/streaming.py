@@ -28,7 +28,7 @@ import orjson
 from rl_core.chat import TOOL_CALL_RE, parse_tool_calls
 from rl_core.inference.client import GenerateChunk, InferenceError
 from webapp.gateway import turns
-from webapp.gateway.chat_request import ChatRequest, storable_text
+from webapp.gateway.chat_request import ChatRequest, matched_stop, storable_text
 from webapp.gateway.errors import GatewayError
 from webapp.gateway.inference import StreamingGeneration
 
@@ -173,15 +173,6 @@ class ChoiceText:
                 )
         return entry
 
-    def stop_hit(self) -> str | None:
-        """The stop string that ended the text: the engine's word for it, else where it is."""
-        if isinstance(self.matched_stop, str) and self.matched_stop in self.stops:
-            return self.matched_stop
-        cut = _first(self.text, self.stops, 0)
-        if cut is None:
-            return None
-        return min((s for s in self.stops if self.text.startswith(s, cut)), key=len)
-
     def tool_calls(self) -> tuple[list[dict], str]:
         """At the end: the parsed calls, and the text around them still to send as content."""
         if not self.tools:
@@ -247,10 +238,10 @@ class CompletionStream:
             body["usage"] = usage
         return b"data: " + orjson.dumps(body) + b"\n\n"
 
-    def _delta(self, index: int, delta: dict, logprobs=None, finish=None) -> bytes:
+    def _delta(self, index: int, delta: dict, logprobs=None, finish=None, **more) -> bytes:
         lp = {"content": logprobs, "refusal": None} if logprobs is not None else None
         return self._chunk(
-            [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}]
+            [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish, **more}]
         )
 
     def _content(self, index: int, piece: str, entries: list[dict] | None) -> bytes | None:
@@ -310,17 +301,12 @@ class CompletionStream:
                 for index, found in enumerate(calls)
                 for position, call in enumerate(found)
             ]
-            tail += [
-                self._chunk(
-                    [
-                        {
-                            "index": choice["index"],
-                            "delta": {},
-                            "logprobs": None,
-                            "finish_reason": choice["finish_reason"],
-                            "matched_stop": choice["matched_stop"],  # as SGLang's last chunk
-                        }
-                    ]
+            tail += [  # with ``matched_stop``, as SGLang's last chunk
+                self._delta(
+                    choice["index"],
+                    {},
+                    finish=choice["finish_reason"],
+                    matched_stop=choice["matched_stop"],
                 )
                 for choice in response["choices"]
             ]
@@ -360,7 +346,9 @@ class CompletionStream:
                     "index": index,
                     "message": message,
                     "finish_reason": finish,
-                    "matched_stop": choice.stop_hit() if finish == "stop" else None,
+                    "matched_stop": matched_stop(choice.text, choice.stops, choice.matched_stop)
+                    if finish == "stop"
+                    else None,
                     "logprobs": {"content": self.sent_logprobs[index], "refusal": None}
                     if self.chat.logprobs
                     else None,
