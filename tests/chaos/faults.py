@@ -1,20 +1,20 @@
 """The fault tests' harness: a live Steep whose processes a test kills and restarts, agents that
 keep playing through the faults, and the checks every fault test ends with.
 
-- ``chaos``: a module's own live stack (uvicorn, a Celery worker with beat and the local Ray
-  head it starts, the runs' jobs), on the pytest-django test database, as ``Chaos``: besides
-  the URLs, ``restart_web()``, ``kill_worker()`` / ``start_worker()``,
-  ``inference_server_pids()``. Short reconcile and long-poll settings (``CHAOS_ENV``) so that
-  a fault is noticed in seconds.
+- ``Chaos``: a live stack (uvicorn, a Celery worker with beat and the local Ray head it
+  starts, the runs' jobs) that a test kills and restarts: ``restart_web()``,
+  ``kill_worker()`` / ``start_worker()``, ``inference_servers()``, and ``arm()`` for the
+  trainer's failpoints (``rl_core.failpoints``). Short reconcile and long-poll settings
+  (``CHAOS_ENV``) so that a fault is noticed in seconds. The ``chaos`` fixture
+  (``conftest.py``) is one such stack on the pytest-django test database, shared by the
+  folder's tests.
 - ``Agents``: agent threads playing two-turn, rewarded sessions with the official ``openai``
   SDK (its own retries on connection errors, 429 and 5xx, honouring ``Retry-After``) and
   httpx for ``/rl/*`` (retried the same way), recording what was acknowledged.
 - ``assert_ledger_exact(rest, run_id)``: the run's ledger (``GET /api/v1/runs/<id>/ledger/``)
-  balances and no trajectory was trained twice; ``assert_acknowledged_kept(...)``: every
-  acknowledged completion is a row, every acknowledged end a session ended once.
-
-Shared with nothing else (``conftest.py`` of this folder is the crash tests'), so a fault test
-imports what it uses from here.
+  balances and no trajectory was trained twice; ``assert_ledger_in_database(...)``: the test
+  database says the same; ``assert_acknowledged_kept(...)``: every acknowledged completion is
+  a row, every acknowledged end a session ended once.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from typing import Any
 import httpx
 import pytest
 
+from rl_core.failpoints import arm
 from rl_core.toy import TOY_SETTINGS, toy_rows
 from tests.conftest import test_database_url
 from tests.livestack import LiveStack, answers, free_port, steep_env, wait_for
@@ -59,8 +60,19 @@ class Chaos:
     processes: LiveStack
     env: dict[str, str]
     data_dir: Path
+    failpoints: Path | None = None
     web: Any = None
     worker: Any = None
+
+    def arm(self, entries: list[dict]) -> None:
+        """Where the next runs' trainers kill themselves (each entry once)."""
+        assert self.failpoints is not None, "a stack started without STEEP_FAILPOINTS"
+        arm(self.failpoints, entries)
+
+    def armed(self) -> list[dict]:
+        """The entries not met yet."""
+        assert self.failpoints is not None, "a stack started without STEEP_FAILPOINTS"
+        return json.loads(self.failpoints.read_text())
 
     def log_tail(self, lines: int = 60) -> str:
         return self.processes.log_tail(lines)
@@ -115,29 +127,6 @@ def chaos_env(data_dir: Path, url: str, **extra: str) -> dict[str, str]:
     )
 
 
-@pytest.fixture(scope="module")
-def chaos(django_db_setup, tmp_path_factory, tiny_model_dir):
-    from django.conf import settings
-
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    data_dir = Path(settings.DATA_DIR)
-    env = chaos_env(data_dir, url)
-    with LiveStack(env=env, log_dir=tmp_path_factory.mktemp("chaos-logs")) as processes:
-        stack = Chaos(url, port, tiny_model_dir, processes, env, data_dir)
-        stack.start_web()
-        stack.start_worker()
-        yield stack
-
-
-@pytest.fixture
-def rest(chaos, api_key):
-    with httpx.Client(
-        base_url=f"{chaos.url}/api/v1", headers={"Authorization": f"Bearer {api_key}"}, timeout=30
-    ) as client:
-        yield client
-
-
 # --------------------------------------------------------------------------- runs
 
 
@@ -159,8 +148,12 @@ def call(client: httpx.Client, method: str, path: str, **kwargs: Any) -> httpx.R
         time.sleep(0.5)
 
 
-def create_dataset_run(rest: httpx.Client, model_dir: Path, **overrides: Any) -> dict:
-    body = "".join(json.dumps(row) + "\n" for row in toy_rows(64)).encode()
+def create_dataset_run(
+    rest: httpx.Client, model_dir: Path, *, rows: int = 64, **overrides: Any
+) -> dict:
+    """A dataset run on the toy task's first ``rows`` rows (batches of 16, 6 steps,
+    checkpoints every 2 unless overridden)."""
+    body = "".join(json.dumps(row) + "\n" for row in toy_rows(rows)).encode()
     dataset = rest.post(
         "/datasets/", data={"name": f"letters-{time.time_ns()}"}, files={"file": ("l.jsonl", body)}
     ).json()
@@ -254,6 +247,24 @@ def assert_ledger_exact(
     assert ledger["accepted"] == ledger["trained"] + ledger["dropped"] + ledger["pending"], ledger
     assert ledger["balanced"] is True, ledger
     return ledger
+
+
+def assert_ledger_in_database(run_id: str, ledger: dict, *, steps: int) -> None:
+    """The test database agrees with ``ledger``: one training record per trained session,
+    nothing left claimed once the run ended, every session that went to training counted as
+    accepted, every trained version within 1..``steps``."""
+    from webapp.gateway.models import Session, TrainingRecord
+
+    sessions = Session.objects.filter(run_id=run_id)
+    records = TrainingRecord.objects.filter(run_id=run_id)
+    trained = set(sessions.filter(trajectory="trained").values_list("id", flat=True))
+    assert set(records.values_list("session_id", flat=True)) == trained
+    assert records.count() == len(trained) == ledger["trained"]
+    assert not sessions.filter(trajectory="claimed").exists(), "the run ended: nothing claimed"
+    went_to_training = sessions.exclude(trajectory__in=["pending", "unrewarded"]).count()
+    assert went_to_training == ledger["accepted"]
+    for session in sessions.filter(trajectory="trained"):
+        assert 1 <= session.trained_version <= steps, session.trained_version
 
 
 # --------------------------------------------------------------------------- agents

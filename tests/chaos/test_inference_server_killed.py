@@ -13,9 +13,7 @@ from tests.chaos.faults import (
     Agents,
     assert_acknowledged_kept,
     assert_ledger_exact,
-    chaos,  # noqa: F401 - fixture
     create_online_run,
-    rest,  # noqa: F401 - fixture
     start_and_wait_running,
     wait_finished,
     wait_step,
@@ -25,7 +23,7 @@ from tests.livestack import wait_for
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
 
-def test_a_killed_inference_server_is_restarted_and_the_run_completes(chaos, rest, api_key):  # noqa: F811
+def test_a_killed_inference_server_is_restarted_and_the_run_completes(chaos, rest, api_key):
     from webapp.runs.models import RunEvent
 
     run, agent = create_online_run(rest, chaos.model_dir, max_steps=6)

@@ -9,11 +9,25 @@ import random
 
 import pytest
 
-from tests.chaos.conftest import LEAN, assert_ledger_exact, start_dataset_run, wait_status
+from rl_core.toy import TOY_SETTINGS
+from tests.chaos.faults import (
+    assert_ledger_exact,
+    assert_ledger_in_database,
+    create_dataset_run,
+    wait_finished,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
 SEED = 16  # picks the steps; the failpoints make sure each kill lands inside its phase
+LEAN = {
+    **TOY_SETTINGS,
+    "batch_size": 8,
+    "group_size": 4,
+    "max_staleness": 1,
+    "max_steps": 8,
+    "save_every": 2,
+}
 
 
 def kill_plan(seed: int) -> list[dict]:
@@ -32,22 +46,25 @@ def kill_plan(seed: int) -> list[dict]:
     ]
 
 
-def test_the_trainer_killed_three_times_trains_every_trajectory_once(chaos_stack, rest):
+def test_the_trainer_killed_three_times_trains_every_trajectory_once(chaos, rest):
     from webapp.gateway.models import Session
     from webapp.runs.models import Run, RunEvent
 
     plan = kill_plan(SEED)
-    chaos_stack.arm(plan)
-    run = start_dataset_run(rest, chaos_stack)
-    final = wait_status(rest, chaos_stack, run["id"], "completed", 900)
+    chaos.arm(plan)
+    # 128 rows: more than the run's groups, restarts included, so no prompt may repeat.
+    run = create_dataset_run(rest, chaos.model_dir, rows=128, **LEAN)
+    assert rest.post(f"/runs/{run['id']}/start/").status_code == 202
+    final = wait_finished(rest, chaos, run["id"], timeout=900)
 
-    assert chaos_stack.armed() == [], "every kill happened"
+    assert chaos.armed() == [], "every kill happened"
     stored = Run.objects.get(pk=run["id"])
     assert (stored.crash_restarts, stored.job_attempt) == (3, 4)
     assert (final["step"], final["weight_version"]) == (LEAN["max_steps"], LEAN["max_steps"])
     ledger = assert_ledger_exact(
         rest, run["id"], batch_size=LEAN["batch_size"], steps=LEAN["max_steps"]
     )
+    assert_ledger_in_database(run["id"], ledger, steps=LEAN["max_steps"])
     assert ledger["version"] == LEAN["max_steps"]
 
     # Where each restart went back to: version 0 (no checkpoint yet), then the checkpoint

@@ -13,9 +13,7 @@ from tests.chaos.faults import (
     Agents,
     assert_acknowledged_kept,
     assert_ledger_exact,
-    chaos,  # noqa: F401 - fixture
     create_online_run,
-    rest,  # noqa: F401 - fixture
     start_and_wait_running,
     wait_finished,
 )
@@ -23,7 +21,7 @@ from tests.chaos.faults import (
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
 
-def test_agents_and_the_run_ride_out_web_restarts(chaos, rest, api_key):  # noqa: F811
+def test_agents_and_the_run_ride_out_web_restarts(chaos, rest, api_key):
     from webapp.runs.models import Run
 
     run, agent = create_online_run(rest, chaos.model_dir, max_steps=6)

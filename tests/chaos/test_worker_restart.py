@@ -13,9 +13,7 @@ import pytest
 
 from tests.chaos.faults import (
     assert_ledger_exact,
-    chaos,  # noqa: F401 - fixture
     create_dataset_run,
-    rest,  # noqa: F401 - fixture
     start_and_wait_running,
     wait_finished,
     wait_step,
@@ -24,7 +22,7 @@ from tests.chaos.faults import (
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
 
-def test_a_run_survives_its_worker_killed_and_restarted(chaos, rest):  # noqa: F811
+def test_a_run_survives_its_worker_killed_and_restarted(chaos, rest):
     run = create_dataset_run(rest, chaos.model_dir, max_steps=6, save_every=2)
     start_and_wait_running(rest, chaos, run["id"])
     wait_step(rest, chaos, run["id"], 3)
