@@ -15,9 +15,10 @@ import math
 import threading
 import time
 from dataclasses import dataclass
-from functools import lru_cache
 
 from django.conf import settings
+
+from webapp.shared_redis import client as _client
 
 logger = logging.getLogger(__name__)
 
@@ -50,13 +51,6 @@ def hit(bucket: str, *, limit: int) -> Limited | None:
 
 
 # --- Redis ----------------------------------------------------------------------------------
-
-
-@lru_cache(maxsize=4)
-def _client(url: str):
-    import redis
-
-    return redis.Redis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5)
 
 
 _last_warning = 0.0

@@ -132,7 +132,8 @@ async def chat_completion(
 
     ``db`` runs the database operations: this process's lane (``in_lane``), or, for Django's
     route, ``lane.in_thread``. A retry (``retry_count`` > 0, or an ``idempotency_key``) of a
-    request already answered or still generating gets that answer (``webapp.gateway.inflight``).
+    request already answered or still generating, in this web process or (with Redis) in
+    another, gets that answer (``webapp.gateway.inflight``).
     """
     try:
         return await _chat_completion(
@@ -155,6 +156,8 @@ async def _chat_completion(
         answer = await inflight.IN_FLIGHT.answer(attempt)
         if answer is not None:
             return _respond(chat, answer)
+        # Still generating in another web process: ``begin`` then finds its recorded answer.
+        await inflight.SHARED.settled(attempt)
     turn = await db(
         turns.begin(token=token, agent_id=agent_id, fingerprint=fingerprint, is_retry=is_retry),
         durable=False,  # an admission slot lost in an OS crash is recounted by the reconciler
@@ -166,8 +169,12 @@ async def _chat_completion(
         # retry after a timeout finds an aborted turn and generates anew.
         answer = await _generate_or_discard(chat, turn, fingerprint, started, db)
         return answer if isinstance(answer, Reply) else _respond(chat, answer)
+    # A client that may retry (the SDKs mark even their first attempt) leaves a marker for the
+    # other web processes while this attempt generates (``inflight.SHARED``).
+    retriable = bool(retry_count) or bool(idempotency_key)
     with inflight.IN_FLIGHT.track(attempt) as answered:
-        answer = await _generate_or_discard(chat, turn, fingerprint, started, db)
+        async with inflight.SHARED.hold(attempt, retriable=retriable):
+            answer = await _generate_or_discard(chat, turn, fingerprint, started, db)
         assert isinstance(answer, dict)  # only a stream answers with its SSE Reply
         answered.set_result(answer)
     return _respond(chat, answer)

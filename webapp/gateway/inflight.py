@@ -10,9 +10,17 @@ one generation, one turn recorded, the same response to both callers.
 Only a retry waits: the same body sent twice without a retry mark or an ``Idempotency-Key`` is
 two samples (an agent sampling one prompt several times). A request is known by the caller's
 key hash, the agent and its request key (the ``Idempotency-Key``, else the body's
-fingerprint), so only the caller holding the same key gets the answer. This is per web
-process, a dict and no database statement: a retry that lands on another worker process
-while the first attempt still generates is a new sample, as before.
+fingerprint), so only the caller holding the same key gets the answer.
+
+In one web process this is a dict (``IN_FLIGHT``): no database statement, no round trip.
+Several web processes (``WEB_WORKERS`` in the compose deployment) share Redis
+(``REDIS_URL``): an attempt that may be retried (it carries ``X-Stainless-Retry-Count``, which
+the SDKs send from the first attempt on, or an ``Idempotency-Key``) holds a marker there while
+it generates (``SHARED.hold``), and a retry that finds no attempt in its own process waits
+until no marker is left (``SHARED.settled``), then reads the recorded answer from the
+database as after any finished attempt. A marker lives ``MARK_TTL_S`` and its holder renews
+it while it generates, so a process that dies leaves a retry waiting at most that long.
+Without Redis, or while it does not answer, a retry on another process is a new sample.
 """
 
 from __future__ import annotations
@@ -20,7 +28,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-from collections.abc import Iterator
+import logging
+import time
+from collections.abc import AsyncIterator, Iterator
+
+from django.conf import settings
+
+from rl_core.ids import new_hex
+from webapp import shared_redis
+
+logger = logging.getLogger(__name__)
 
 Key = tuple[str, str, str]  # (agent id, key hash, request key)
 
@@ -67,3 +84,73 @@ class InFlight:
 
 
 IN_FLIGHT = InFlight()
+
+
+# --- across web processes (Redis) -------------------------------------------------------------
+
+MARK_TTL_S = 10.0  # how long a marker outlives a holder that stopped renewing it (one that died)
+RENEW_S = 3.0  # how often a holder renews its marker while it generates
+POLL_S = 0.05  # how often a waiting retry looks again
+_PREFIX = "steep:inflight:"
+_RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end"
+
+
+class SharedInFlight:
+    """Markers in Redis for the attempts generating in any web process (``REDIS_URL``)."""
+
+    def __init__(self) -> None:
+        self._warned_at = 0.0
+
+    @contextlib.asynccontextmanager
+    async def hold(self, key: Key, *, retriable: bool) -> AsyncIterator[None]:
+        """Mark ``key`` as generating in this process until the block ends; nothing when the
+        attempt cannot be retried (no retry mark, no ``Idempotency-Key``) or Redis is off."""
+        client = self._client() if retriable else None
+        name, token = _name(key), new_hex()
+        if client is None or not self._call(client.set, name, token, px=_ms(MARK_TTL_S)):
+            yield
+            return
+        renewing = asyncio.create_task(self._renew(client, name))
+        try:
+            yield
+        finally:
+            renewing.cancel()
+            self._call(client.eval, _RELEASE, 1, name, token)
+
+    async def settled(self, key: Key) -> None:
+        """Return once no web process holds ``key`` (at once without Redis, or when it fails)."""
+        client = self._client()
+        if client is None:
+            return
+        name = _name(key)
+        while self._call(client.exists, name):
+            await asyncio.sleep(POLL_S)
+
+    async def _renew(self, client, name: str) -> None:
+        while True:
+            await asyncio.sleep(RENEW_S)
+            self._call(client.pexpire, name, _ms(MARK_TTL_S))
+
+    def _client(self):
+        return shared_redis.client(settings.REDIS_URL) if settings.REDIS_URL else None
+
+    def _call(self, method, *args, **kwargs):
+        """``method(...)``'s answer; None when Redis fails (said in the log once a minute)."""
+        try:
+            return method(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 (any Redis failure: carry on without it)
+            if time.monotonic() - self._warned_at > 60:
+                self._warned_at = time.monotonic()
+                logger.warning("retries are deduplicated per web process: Redis failed (%s)", exc)
+            return None
+
+
+def _name(key: Key) -> str:
+    return _PREFIX + hashlib.sha256("\x00".join(key).encode()).hexdigest()
+
+
+def _ms(seconds: float) -> int:
+    return int(seconds * 1000)
+
+
+SHARED = SharedInFlight()
