@@ -91,6 +91,7 @@ IN_FLIGHT = InFlight()
 MARK_TTL_S = 10.0  # how long a marker outlives a holder that stopped renewing it (one that died)
 RENEW_S = 3.0  # how often a holder renews its marker while it generates
 POLL_S = 0.05  # how often a waiting retry looks again
+BACK_OFF_S = 5.0  # after a Redis failure, this process goes without it this long
 _PREFIX = "steep:inflight:"
 _RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end"
 
@@ -100,6 +101,7 @@ class SharedInFlight:
 
     def __init__(self) -> None:
         self._warned_at = 0.0
+        self._failed_at = -BACK_OFF_S  # the last Redis failure: skipped for BACK_OFF_S after it
 
     @contextlib.asynccontextmanager
     async def hold(self, key: Key, *, retriable: bool) -> AsyncIterator[None]:
@@ -132,13 +134,19 @@ class SharedInFlight:
             self._call(client.pexpire, name, _ms(MARK_TTL_S))
 
     def _client(self):
-        return shared_redis.client(settings.REDIS_URL) if settings.REDIS_URL else None
+        """Redis, unless it is not configured or failed in the last ``BACK_OFF_S`` (each call
+        blocks the event loop until it answers or times out: a Redis that hangs must not slow
+        every request down)."""
+        if not settings.REDIS_URL or time.monotonic() - self._failed_at < BACK_OFF_S:
+            return None
+        return shared_redis.client(settings.REDIS_URL)
 
     def _call(self, method, *args, **kwargs):
         """``method(...)``'s answer; None when Redis fails (said in the log once a minute)."""
         try:
             return method(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 (any Redis failure: carry on without it)
+            self._failed_at = time.monotonic()
             if time.monotonic() - self._warned_at > 60:
                 self._warned_at = time.monotonic()
                 logger.warning("retries are deduplicated per web process: Redis failed (%s)", exc)
