@@ -65,8 +65,10 @@ def test_an_open_sessions_page_stops_refreshing_while_a_comment_is_written(
     logged_in, live_server, project, make_run, make_agent, make_session
 ):
     """An open session's page refreshes itself every 3 s; while a score/comment form is open it
-    waits, so what is being typed is not swapped away. The page's clock is Playwright's:
-    the refreshes are counted, not timed."""
+    waits, so what is being typed is not swapped away, also when the form was opened while a
+    refresh was on its way (its answer is then not swapped in). The page's clock is
+    Playwright's, and that refresh is held by the test until the form is open: the refreshes
+    are counted, not timed."""
     agent = make_agent(project, run=make_run(project))
     session = make_session(
         agent,
@@ -75,15 +77,28 @@ def test_an_open_sessions_page_stops_refreshing_while_a_comment_is_written(
     )
     page = logged_in
     page.clock.install()
-    page.goto(f"{live_server.url}/projects/{project.id}/sessions/{session.id}/")
+    url = f"{live_server.url}/projects/{project.id}/sessions/{session.id}/"
+    held = []  # the page's own refreshes (htmx), held until the test lets them through
+    page.route(
+        url,
+        lambda route: (
+            held.append(route) if route.request.headers.get("hx-request") else route.continue_()
+        ),
+    )
+    page.goto(url)
     page.evaluate(
-        "window.polls = 0; document.body.addEventListener('htmx:beforeRequest', () => window.polls++)"
+        "window.polls = 0; window.answered = 0;"
+        " document.body.addEventListener('htmx:beforeRequest', () => window.polls++);"
+        " document.body.addEventListener('htmx:afterRequest', () => window.answered++)"
     )
     page.clock.run_for(3500)
     page.wait_for_function("window.polls >= 1")  # it refreshes while nobody writes
 
-    page.click("#session-feedback summary")
+    page.click("#session-feedback summary")  # the refresh is still on its way
     page.fill("#session-feedback input[name=comment]", "half right")
+    assert len(held) == 1
+    held.pop().continue_()
+    page.wait_for_function("window.answered >= 1")
     polls = page.evaluate("window.polls")
     page.clock.run_for(10_000)
     assert page.evaluate("window.polls") == polls
