@@ -5,7 +5,9 @@
 Its database work is two lane operations (``webapp.gateway.turns``): authenticate and
 admit, then record the turn durably before the reply goes out. A ``stream: true`` request
 hands the turn to ``webapp.gateway.streaming`` once its first tokens are in: the stream
-sends them as they come and records the turn before its finish chunks and ``[DONE]``.
+sends them as they come and records the turn before its finish chunks and ``[DONE]``. A
+stream of a caller served recently starts its engine request beside the first trip
+(``EarlyStream``), used only if the trip's answer asks for the very same request.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from webapp.gateway.chat_request import (
     storable_text,
 )
 from webapp.gateway.errors import GatewayError, bad_request, database_unavailable
-from webapp.gateway.inference import generate, generate_stream
+from webapp.gateway.inference import StreamingGeneration, generate, generate_stream
 from webapp.gateway.lane import LaneError, lane
 from webapp.gateway.prompts import Prompt, continued_choice, extend_prompt, fresh_prompt
 from webapp.gateway.streaming import CompletionStream
@@ -158,16 +160,35 @@ async def _chat_completion(
             return _respond(chat, answer)
         # Still generating in another web process: ``begin`` then finds its recorded answer.
         await inflight.SHARED.settled(attempt)
-    turn = await db(
+    beginning = db(
         turns.begin(token=token, agent_id=agent_id, fingerprint=fingerprint, is_retry=is_retry),
         durable=False,  # an admission slot lost in an OS crash is recounted by the reconciler
     )
+    caller_key = (str(agent_id), attempt[1])
+    early_request = None if is_retry else _early_request(chat, caller_key)
+    if early_request is None:
+        turn = await beginning
+        early = None
+    else:  # the begin trip first, then the engine request beside it
+        begun = asyncio.ensure_future(beginning)
+        early = EarlyStream(early_request, asyncio.ensure_future(generate_stream(**early_request)))
+        try:
+            turn = await begun
+        except BaseException:
+            begun.cancel()
+            EARLY_RUNS.forget(caller_key)  # refused: no early request until one is served
+            await early.drop()
+            raise
     if turn.replay is not None:
+        if early is not None:
+            await early.drop()
         return _respond(chat, turn.replay)
     if chat.stream:
         # A stream is not waited on by retries: its client going away aborts it, so an SDK
         # retry after a timeout finds an aborted turn and generates anew.
-        answer = await _generate_or_discard(chat, turn, fingerprint, started, db)
+        answer = await _generate_or_discard(
+            chat, turn, fingerprint, started, db, early=early, caller_key=caller_key
+        )
         return answer if isinstance(answer, Reply) else _respond(chat, answer)
     # A client that may retry (the SDKs mark even their first attempt) leaves a marker for the
     # other web processes while this attempt generates (``inflight.SHARED``).
@@ -181,36 +202,38 @@ async def _chat_completion(
 
 
 async def _generate_or_discard(
-    chat: ChatRequest, turn: turns.Turn, fingerprint: str, started: float, db
+    chat: ChatRequest,
+    turn: turns.Turn,
+    fingerprint: str,
+    started: float,
+    db,
+    early: EarlyStream | None = None,
+    caller_key: tuple[str, str] = ("", ""),
 ) -> dict | Reply:
     """``_generate_and_record``; on any failure the turn's session (a one-turn one opened for
     it) is discarded, giving its admission slot back."""
     try:
-        return await _generate_and_record(chat, turn, fingerprint, started, db)
+        return await _generate_and_record(chat, turn, fingerprint, started, db, early, caller_key)
     except BaseException:
+        if early is not None:
+            await early.drop()
         if turn.opened:
             await asyncio.shield(db(turns.discard(turn=turn), durable=False))
         raise
 
 
-async def _generate_and_record(
-    chat: ChatRequest, turn: turns.Turn, fingerprint: str, started: float, db
-) -> dict | Reply:
-    """Generate and record the turn: the recorded response, or for ``stream`` the SSE Reply
-    whose stream records the turn before its last events."""
-    run, previous = turn.run, turn.previous
-    tok = await _tokenizer(run.base_model)
-    try:
-        prompt, branched = await _prompt(tok, chat, turn, db)
-    except ChatTemplateError as exc:
-        raise bad_request(str(exc), param="messages") from None
+def _engine_request(
+    chat: ChatRequest, tok: ChatTokenizer, run: turns.RunInfo, sticky: str, input_ids: list[int]
+) -> dict:
+    """What the run's inference servers are asked for (``inference.generate``'s arguments)."""
     max_new = min(chat.max_tokens, settings.GATEWAY_MAX_NEW_TOKENS)
-    sampling = chat.sampling_params(max_new_tokens=max_new, stop_token_ids=tok.eos_token_ids)
-    engine_request = {
+    return {
         "run_id": run.id,
-        "sticky": turn.sticky_server,
-        "input_ids": prompt.input_ids,
-        "sampling_params": sampling,
+        "sticky": sticky,
+        "input_ids": input_ids,
+        "sampling_params": chat.sampling_params(
+            max_new_tokens=max_new, stop_token_ids=tok.eos_token_ids
+        ),
         "n": chat.n,
         "seed": chat.seed,
         "top_logprobs": chat.top_logprobs,
@@ -223,6 +246,27 @@ async def _generate_and_record(
         ),
         "pool": run.config.get("inference_pool") or "",
     }
+
+
+async def _generate_and_record(
+    chat: ChatRequest,
+    turn: turns.Turn,
+    fingerprint: str,
+    started: float,
+    db,
+    early: EarlyStream | None = None,
+    caller_key: tuple[str, str] = ("", ""),
+) -> dict | Reply:
+    """Generate and record the turn: the recorded response, or for ``stream`` the SSE Reply
+    whose stream records the turn before its last events."""
+    run, previous = turn.run, turn.previous
+    tok = await _tokenizer(run.base_model)
+    try:
+        prompt, branched = await _prompt(tok, chat, turn, db)
+    except ChatTemplateError as exc:
+        raise bad_request(str(exc), param="messages") from None
+    engine_request = _engine_request(chat, tok, run, turn.sticky_server, prompt.input_ids)
+    sampling = engine_request["sampling_params"]
     # Which of the last turn's choices the conversation continued with; a branch continues
     # its parent's, which trajectory building reads off the messages.
     chosen = None
@@ -241,11 +285,14 @@ async def _generate_and_record(
     }
     interaction_id = f"chatcmpl-{new_hex()}"
     if chat.stream:
+        if turn.opened and previous is None:  # a project key's one-turn stream
+            EARLY_RUNS.remember(caller_key, run)
+        started_early = await early.take(engine_request) if early is not None else None
         # The stream owns the turn from here: it records it, or discards it on an error.
         stream = CompletionStream(
             chat=chat,
             tok=tok,
-            generation=await generate_stream(**engine_request),
+            generation=started_early or await generate_stream(**engine_request),
             interaction_id=interaction_id,
             model=model_id(run.base_model),
             record=record,
@@ -270,6 +317,81 @@ async def _generate_and_record(
         )
     )
     return recorded
+
+
+# --- starting a stream's generation beside its begin trip -------------------------------------
+
+
+class EarlyRuns:
+    """The run each project key's last one-turn stream was served by, for ``EARLY_TTL_S``: a
+    stream of the same caller starts its engine request with it while the begin trip runs."""
+
+    def __init__(self) -> None:
+        self._runs: dict[tuple[str, str], tuple[float, turns.RunInfo]] = {}
+
+    def remember(self, caller_key: tuple[str, str], run: turns.RunInfo) -> None:
+        if len(self._runs) > 10_000:  # forget the expired now and then
+            now = time.monotonic()
+            self._runs = {k: v for k, v in self._runs.items() if v[0] > now}
+        self._runs[caller_key] = (time.monotonic() + EARLY_TTL_S, run)
+
+    def forget(self, caller_key: tuple[str, str]) -> None:
+        self._runs.pop(caller_key, None)
+
+    def get(self, caller_key: tuple[str, str]) -> turns.RunInfo | None:
+        found = self._runs.get(caller_key)
+        return found[1] if found is not None and found[0] > time.monotonic() else None
+
+
+EARLY_TTL_S = 10.0
+EARLY_RUNS = EarlyRuns()
+
+
+@dataclass
+class EarlyStream:
+    """An engine request started before the begin trip answered, on the caller's last run.
+
+    It is used only when what the begin trip then says makes the very same request (same run,
+    version, adapter, prompt ids and sampling); otherwise, or when the begin trip refuses, it
+    is aborted. The time to the first token then no longer includes the begin trip."""
+
+    request: dict
+    task: asyncio.Future
+
+    async def take(self, request: dict) -> StreamingGeneration | None:
+        """The early generation when ``request`` is what it asked for; else None (dropped)."""
+        if request != self.request:
+            await self.drop()
+            return None
+        return await self.task
+
+    async def drop(self) -> None:
+        """Abort the early request, wherever it is; never raises."""
+        if not self.task.done():
+            self.task.cancel()  # closes its stream, which aborts it on the engine
+        try:
+            generation = await self.task
+        except BaseException:  # noqa: BLE001 (cancelled or failed: nothing to abort)
+            return
+        await generation.abort()
+
+
+def _early_request(chat: ChatRequest, caller_key: tuple[str, str]) -> dict | None:
+    """The engine request to start early for a stream whose caller's last one-turn stream was
+    served recently (``EARLY_RUNS``), made as for that run; None when there is none."""
+    if not chat.stream:
+        return None
+    run = EARLY_RUNS.get(caller_key)
+    if run is None:
+        return None
+    tok = CACHES.tokenizers.get(run.base_model)
+    if tok is None:
+        return None
+    try:
+        input_ids = fresh_prompt(tok, chat.messages, chat.rendered_tools).input_ids
+    except ChatTemplateError:
+        return None
+    return _engine_request(chat, tok, run, "", input_ids)
 
 
 async def _prompt(
