@@ -341,9 +341,10 @@ async def test_the_tiny_model_learns_the_toy_task(tiny_model_dir, engine, tmp_pa
     rewards = reporter.series("rollout/reward")
     steps = TOY_SETTINGS["max_steps"]
     assert summary.step == len(rewards) == steps
-    # The first steps train on answers the untrained model sampled (seeded: the same on
-    # every machine); the last ones on the learned policy's.
-    first, last = sum(rewards[:3]) / 3, sum(rewards[-5:]) / 5
+    # The first step trains on answers the untrained model sampled (seeded: the same on
+    # every machine; later early steps may already mix in answers of updated versions, as
+    # fast as generation runs beside training); the last ones on the learned policy's.
+    first, last = rewards[0], sum(rewards[-5:]) / 5
     assert first < 0.1, rewards
     assert last > first + 0.5, rewards
     after = _params(trainer)
@@ -368,7 +369,9 @@ async def test_a_lora_adapter_learns_the_toy_task_and_the_base_weights_stay_bit_
 
     rewards = reporter.series("rollout/reward")
     assert summary.step == len(rewards) == cfg.max_steps
-    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    # Step 1's batch is the base model's answers; from step 2 on a batch may hold answers of
+    # the updated adapter (how many depends on how fast generation runs beside training).
+    first, last = rewards[0], sum(rewards[-3:]) / 3
     assert first < 0.1, rewards
     assert last > first + 0.4, rewards
     for name, p in named.items():
