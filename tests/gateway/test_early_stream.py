@@ -1,5 +1,5 @@
 """A project key's stream starts its engine request beside the begin trip when its caller's last
-stream was served recently (``completions.EARLY_RUNS``), so the time to the first token no longer
+stream was served recently (``early.EARLY_RUNS``), so the time to the first token no longer
 includes the trip; when the trip then refuses, or names another run, the early request is
 aborted and nothing of it is recorded. In-process (the real lane, the shared torch engine),
 so the test sees the engine's state while the begin trip is still under way."""
@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tests.gateway.test_retries import HI, _slow
-from webapp.gateway import completions
+from webapp.gateway import completions, early
 from webapp.gateway.models import Interaction
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -62,7 +62,7 @@ def test_a_repeated_stream_is_generating_before_its_begin_trip_answers(gw, engin
         return await completions.in_lane(operation, durable=durable)
 
     async def scenario():
-        completions.EARLY_RUNS.forget((str(gw.agent.id), _key_hash(gw)))
+        early.EARLY_RUNS.forget((str(gw.agent.id), _key_hash(gw)))
         first, _ = await _stream(gw)  # served the usual way: its run is remembered
         assert first.status == 200
         with _slow(engine):
@@ -86,7 +86,7 @@ def test_without_a_recent_stream_nothing_starts_before_the_begin_trip(gw, engine
         return await completions.in_lane(operation, durable=durable)
 
     async def scenario():
-        completions.EARLY_RUNS.forget((str(gw.agent.id), _key_hash(gw)))
+        early.EARLY_RUNS.forget((str(gw.agent.id), _key_hash(gw)))
         with _slow(engine):
             return await _stream(gw, db=watching)
 

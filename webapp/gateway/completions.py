@@ -7,7 +7,7 @@ admit, then record the turn durably before the reply goes out. A ``stream: true`
 hands the turn to ``webapp.gateway.streaming`` once its first tokens are in: the stream
 sends them as they come and records the turn before its finish chunks and ``[DONE]``. A
 stream of a caller served recently starts its engine request beside the first trip
-(``EarlyStream``), used only if the trip's answer asks for the very same request.
+(``webapp.gateway.early``), used only if the trip's answer asks for the very same request.
 """
 
 from __future__ import annotations
@@ -20,13 +20,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import orjson
-from django.conf import settings
 
 from rl_core.chat import ChatTemplateError, ChatTokenizer, load_chat_tokenizer, parse_tool_calls
 from rl_core.ids import new_hex
-from rl_core.inference.adapters import current_adapter
 from webapp.accounts.auth import bearer_token
 from webapp.accounts.keys import hash_key
+from webapp.gateway import early as early_start
 from webapp.gateway import inflight, turns
 from webapp.gateway.caches import CACHES
 from webapp.gateway.chat_request import (
@@ -37,7 +36,7 @@ from webapp.gateway.chat_request import (
     storable_text,
 )
 from webapp.gateway.errors import GatewayError, bad_request, database_unavailable
-from webapp.gateway.inference import StreamingGeneration, generate, generate_stream
+from webapp.gateway.inference import generate, generate_stream
 from webapp.gateway.lane import LaneError, lane
 from webapp.gateway.prompts import Prompt, continued_choice, extend_prompt, fresh_prompt
 from webapp.gateway.streaming import CompletionStream
@@ -165,18 +164,18 @@ async def _chat_completion(
         durable=False,  # an admission slot lost in an OS crash is recounted by the reconciler
     )
     caller_key = (str(agent_id), attempt[1])
-    early_request = None if is_retry else _early_request(chat, caller_key)
-    if early_request is None:
+    ahead = None if is_retry else early_start.early_request(chat, caller_key)
+    if ahead is None:
         turn = await beginning
         early = None
     else:  # the begin trip first, then the engine request beside it
         begun = asyncio.ensure_future(beginning)
-        early = EarlyStream(early_request, asyncio.ensure_future(generate_stream(**early_request)))
+        early = early_start.EarlyStream(ahead, asyncio.ensure_future(generate_stream(**ahead)))
         try:
             turn = await begun
         except BaseException:
             begun.cancel()
-            EARLY_RUNS.forget(caller_key)  # refused: no early request until one is served
+            early_start.EARLY_RUNS.forget(caller_key)  # refused: none early until one is served
             await early.drop()
             raise
     if turn.replay is not None:
@@ -207,7 +206,7 @@ async def _generate_or_discard(
     fingerprint: str,
     started: float,
     db,
-    early: EarlyStream | None = None,
+    early: early_start.EarlyStream | None = None,
     caller_key: tuple[str, str] = ("", ""),
 ) -> dict | Reply:
     """``_generate_and_record``; on any failure the turn's session (a one-turn one opened for
@@ -222,39 +221,13 @@ async def _generate_or_discard(
         raise
 
 
-def _engine_request(
-    chat: ChatRequest, tok: ChatTokenizer, run: turns.RunInfo, sticky: str, input_ids: list[int]
-) -> dict:
-    """What the run's inference servers are asked for (``inference.generate``'s arguments)."""
-    max_new = min(chat.max_tokens, settings.GATEWAY_MAX_NEW_TOKENS)
-    return {
-        "run_id": run.id,
-        "sticky": sticky,
-        "input_ids": input_ids,
-        "sampling_params": chat.sampling_params(
-            max_new_tokens=max_new, stop_token_ids=tok.eos_token_ids
-        ),
-        "n": chat.n,
-        "seed": chat.seed,
-        "top_logprobs": chat.top_logprobs,
-        # A LoRA run serves each policy version as its own adapter (rl_core.adapter_sync).
-        "lora_path": current_adapter(
-            str(run.id),
-            run.weight_version,
-            lora_rank=int(run.config.get("lora_rank") or 0),
-            init_checkpoint=run.config.get("init_checkpoint"),
-        ),
-        "pool": run.config.get("inference_pool") or "",
-    }
-
-
 async def _generate_and_record(
     chat: ChatRequest,
     turn: turns.Turn,
     fingerprint: str,
     started: float,
     db,
-    early: EarlyStream | None = None,
+    early: early_start.EarlyStream | None = None,
     caller_key: tuple[str, str] = ("", ""),
 ) -> dict | Reply:
     """Generate and record the turn: the recorded response, or for ``stream`` the SSE Reply
@@ -265,7 +238,9 @@ async def _generate_and_record(
         prompt, branched = await _prompt(tok, chat, turn, db)
     except ChatTemplateError as exc:
         raise bad_request(str(exc), param="messages") from None
-    engine_request = _engine_request(chat, tok, run, turn.sticky_server, prompt.input_ids)
+    engine_request = early_start.engine_request(
+        chat, tok, run, turn.sticky_server, prompt.input_ids
+    )
     sampling = engine_request["sampling_params"]
     # Which of the last turn's choices the conversation continued with; a branch continues
     # its parent's, which trajectory building reads off the messages.
@@ -286,7 +261,7 @@ async def _generate_and_record(
     interaction_id = f"chatcmpl-{new_hex()}"
     if chat.stream:
         if turn.opened and previous is None:  # a project key's one-turn stream
-            EARLY_RUNS.remember(caller_key, run)
+            early_start.EARLY_RUNS.remember(caller_key, run)
         started_early = await early.take(engine_request) if early is not None else None
         # The stream owns the turn from here: it records it, or discards it on an error.
         stream = CompletionStream(
@@ -317,81 +292,6 @@ async def _generate_and_record(
         )
     )
     return recorded
-
-
-# --- starting a stream's generation beside its begin trip -------------------------------------
-
-
-class EarlyRuns:
-    """The run each project key's last one-turn stream was served by, for ``EARLY_TTL_S``: a
-    stream of the same caller starts its engine request with it while the begin trip runs."""
-
-    def __init__(self) -> None:
-        self._runs: dict[tuple[str, str], tuple[float, turns.RunInfo]] = {}
-
-    def remember(self, caller_key: tuple[str, str], run: turns.RunInfo) -> None:
-        if len(self._runs) > 10_000:  # forget the expired now and then
-            now = time.monotonic()
-            self._runs = {k: v for k, v in self._runs.items() if v[0] > now}
-        self._runs[caller_key] = (time.monotonic() + EARLY_TTL_S, run)
-
-    def forget(self, caller_key: tuple[str, str]) -> None:
-        self._runs.pop(caller_key, None)
-
-    def get(self, caller_key: tuple[str, str]) -> turns.RunInfo | None:
-        found = self._runs.get(caller_key)
-        return found[1] if found is not None and found[0] > time.monotonic() else None
-
-
-EARLY_TTL_S = 10.0
-EARLY_RUNS = EarlyRuns()
-
-
-@dataclass
-class EarlyStream:
-    """An engine request started before the begin trip answered, on the caller's last run.
-
-    It is used only when what the begin trip then says makes the very same request (same run,
-    version, adapter, prompt ids and sampling); otherwise, or when the begin trip refuses, it
-    is aborted. The time to the first token then no longer includes the begin trip."""
-
-    request: dict
-    task: asyncio.Future
-
-    async def take(self, request: dict) -> StreamingGeneration | None:
-        """The early generation when ``request`` is what it asked for; else None (dropped)."""
-        if request != self.request:
-            await self.drop()
-            return None
-        return await self.task
-
-    async def drop(self) -> None:
-        """Abort the early request, wherever it is; never raises."""
-        if not self.task.done():
-            self.task.cancel()  # closes its stream, which aborts it on the engine
-        try:
-            generation = await self.task
-        except BaseException:  # noqa: BLE001 (cancelled or failed: nothing to abort)
-            return
-        await generation.abort()
-
-
-def _early_request(chat: ChatRequest, caller_key: tuple[str, str]) -> dict | None:
-    """The engine request to start early for a stream whose caller's last one-turn stream was
-    served recently (``EARLY_RUNS``), made as for that run; None when there is none."""
-    if not chat.stream:
-        return None
-    run = EARLY_RUNS.get(caller_key)
-    if run is None:
-        return None
-    tok = CACHES.tokenizers.get(run.base_model)
-    if tok is None:
-        return None
-    try:
-        input_ids = fresh_prompt(tok, chat.messages, chat.rendered_tools).input_ids
-    except ChatTemplateError:
-        return None
-    return _engine_request(chat, tok, run, "", input_ids)
 
 
 async def _prompt(
