@@ -67,6 +67,18 @@ def _on(gw, server: str):
     return dataclasses.replace(gw, server=server, _clients=[])
 
 
+def _ask(pool: ThreadPoolExecutor, on, headers: dict, **request):
+    """``on``'s agent asked for a 6-token answer to ``HI`` in ``pool``, with ``headers``."""
+    return pool.submit(
+        on.openai().chat.completions.create,
+        model=on.model,
+        messages=HI,
+        max_tokens=6,
+        extra_headers=headers,
+        **request,
+    )
+
+
 def _marker(gw, idempotency_key: str) -> str:
     """The Redis key an attempt with ``idempotency_key`` holds while it generates."""
     request = inflight.request_key("unused", idempotency_key)
@@ -77,17 +89,12 @@ def test_a_retry_on_another_process_gets_the_answer_still_generating_once(
     gw, engine, two_web_processes
 ):
     a, b = (_on(gw, url) for url in two_web_processes)
-    request = {"model": gw.model, "messages": HI, "max_tokens": 6, "seed": 3}
     with _slow(engine), ThreadPoolExecutor(2) as pool:
         # The SDK marks its first attempt too (retry count 0); the retry goes to process B.
-        first = pool.submit(
-            a.openai().chat.completions.create,
-            **request,
-            extra_headers={"x-stainless-retry-count": "0"},
-        )
+        first = _ask(pool, a, {"x-stainless-retry-count": "0"}, seed=3)
         _until_generating(engine)
         finished = _engine_state(engine)["num_finished_reqs"]
-        retry = pool.submit(b.openai().chat.completions.create, **request, extra_headers=RETRY)
+        retry = _ask(pool, b, RETRY, seed=3)
         first, retry = first.result(), retry.result()
         generations = _engine_state(engine)["num_finished_reqs"] - finished
 
@@ -107,13 +114,7 @@ def test_a_retry_waits_while_another_process_holds_the_request_then_generates_it
     marker = _marker(gw, key["Idempotency-Key"])
     shared_redis.set(marker, "a-process-that-died", px=60_000)
     with ThreadPoolExecutor(1) as pool:
-        retry = pool.submit(
-            b.openai().chat.completions.create,
-            model=gw.model,
-            messages=HI,
-            max_tokens=6,
-            extra_headers=key,
-        )
+        retry = _ask(pool, b, key)
         time.sleep(1.0)  # many polls (every 50 ms): a retry that ignored the marker answered
         assert not retry.done(), "the retry went on while another process held the request"
         assert Interaction.objects.count() == 0
@@ -131,13 +132,7 @@ def test_an_attempt_that_may_be_retried_holds_a_marker_while_it_generates(
     key = {"Idempotency-Key": "agent-9-step-2"}
     marker = _marker(gw, key["Idempotency-Key"])
     with _slow(engine), ThreadPoolExecutor(1) as pool:
-        attempt = pool.submit(
-            a.openai().chat.completions.create,
-            model=gw.model,
-            messages=HI,
-            max_tokens=6,
-            extra_headers=key,
-        )
+        attempt = _ask(pool, a, key)
         _until_generating(engine)
         held = shared_redis.exists(marker)
         ttl_ms = shared_redis.pttl(marker)

@@ -204,14 +204,7 @@ def test_a_client_gone_mid_stream_of_n_choices_aborts_each_of_them(gw, engine, h
     aborted_before = _engine_state(engine)["num_aborted_reqs"]
     body = {"model": gw.model, "messages": HI, "max_tokens": 400, "n": 2, "stream": True}
     with _slow(engine):
-        with http.stream(
-            "POST",
-            gw.base_url + "/chat/completions",
-            json=body,
-            headers={"Authorization": f"Bearer {gw.key}"},
-        ) as response:
-            lines = response.iter_lines()
-            interaction_id = json.loads(next(line for line in lines if line)[6:])["id"]
+        interaction_id = _leave_after_first_event(http, gw, body, gw.key)
         turn = _wait_for(
             lambda: Interaction.objects.filter(pk=interaction_id).first(), "the aborted turn"
         )

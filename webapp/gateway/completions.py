@@ -183,11 +183,11 @@ async def _chat_completion(
             await early.drop()
         return _respond(chat, turn.replay)
     if chat.stream:
+        if turn.opened and turn.previous is None:  # a project key's one-turn stream
+            early_start.EARLY_RUNS.remember(caller_key, turn.run)
         # A stream is not waited on by retries: its client going away aborts it, so an SDK
         # retry after a timeout finds an aborted turn and generates anew.
-        answer = await _generate_or_discard(
-            chat, turn, fingerprint, started, db, early=early, caller_key=caller_key
-        )
+        answer = await _generate_or_discard(chat, turn, fingerprint, started, db, early=early)
         return answer if isinstance(answer, Reply) else _respond(chat, answer)
     # A client that may retry (the SDKs mark even their first attempt) leaves a marker for the
     # other web processes while this attempt generates (``inflight.SHARED``).
@@ -207,12 +207,11 @@ async def _generate_or_discard(
     started: float,
     db,
     early: early_start.EarlyStream | None = None,
-    caller_key: tuple[str, str] = ("", ""),
 ) -> dict | Reply:
     """``_generate_and_record``; on any failure the turn's session (a one-turn one opened for
     it) is discarded, giving its admission slot back."""
     try:
-        return await _generate_and_record(chat, turn, fingerprint, started, db, early, caller_key)
+        return await _generate_and_record(chat, turn, fingerprint, started, db, early)
     except BaseException:
         if early is not None:
             await early.drop()
@@ -228,7 +227,6 @@ async def _generate_and_record(
     started: float,
     db,
     early: early_start.EarlyStream | None = None,
-    caller_key: tuple[str, str] = ("", ""),
 ) -> dict | Reply:
     """Generate and record the turn: the recorded response, or for ``stream`` the SSE Reply
     whose stream records the turn before its last events."""
@@ -260,8 +258,6 @@ async def _generate_and_record(
     }
     interaction_id = f"chatcmpl-{new_hex()}"
     if chat.stream:
-        if turn.opened and previous is None:  # a project key's one-turn stream
-            early_start.EARLY_RUNS.remember(caller_key, run)
         started_early = await early.take(engine_request) if early is not None else None
         # The stream owns the turn from here: it records it, or discards it on an error.
         stream = CompletionStream(

@@ -108,8 +108,11 @@ class SharedInFlight:
         """Mark ``key`` as generating in this process until the block ends; nothing when the
         attempt cannot be retried (no retry mark, no ``Idempotency-Key``) or Redis is off."""
         client = self._client() if retriable else None
+        if client is None:
+            yield
+            return
         name, token = _name(key), new_hex()
-        if client is None or not self._call(client.set, name, token, px=_ms(MARK_TTL_S)):
+        if not self._call(client.set, name, token, px=_ms(MARK_TTL_S)):
             yield
             return
         renewing = asyncio.create_task(self._renew(client, name))
