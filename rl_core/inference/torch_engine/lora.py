@@ -4,9 +4,13 @@ An adapter is a peft directory (``adapter_config.json`` + ``adapter_model.safete
 loaded into memory under a name (``/load_lora_adapter``); a ``/generate`` request names
 the adapter it runs under (``lora_path``) or none (the base model). The base weights are
 never merged: every target ``nn.Linear`` of the served model carries a forward hook that
-adds ``scale · B(A(x))`` of each batch row's own adapter to the base output, one small
-matmul pair per adapter present in the batch (rows grouped by adapter). So requests under
-different adapters and the base model share one running batch and one KV cache.
+adds ``scale · B(A(x))`` of each batch row's own adapter to the base output. When rows run
+under different adapters (or the base model), the adapters present are stacked along the
+rank (``[A1; A2; ...]``, ``[s1·B1, s2·B2, ...]``), and a per-row mask keeps each row's own
+block: two matmuls per module, however many adapters share the batch (one matmul pair per
+adapter cost a Python round of ops per adapter and module, most of a mixed decode step on
+a CPU). So requests under different adapters and the base model share one running batch and
+one KV cache.
 
 Unloading follows SGLang's registry: the name disappears at once (new requests naming it
 are refused with 400), and the answer comes once the requests still running under it
@@ -41,6 +45,7 @@ from rl_core.inference.torch_engine.protocol import BadRequest
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ALL_MODULES = "all"
+_MAX_STACKS = 16  # adapter sets whose stacks are kept (a set is usually the same step after step)
 _PEFT_PREFIX = "base_model.model."
 
 
@@ -61,8 +66,54 @@ class Adapter:
     pinned: bool = False  # never evicted (SGLang's ``pinned``)
     idle: threading.Event = field(default_factory=threading.Event)
 
+    # per module (A^T [in, r], scale · B^T [r, out]): what one forward multiplies by
+    mats: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(init=False, repr=False)
+
     def __post_init__(self) -> None:
         self.idle.set()
+        self.mats = {
+            name: (a.T.contiguous(), (self.scale * b).T.contiguous())
+            for name, (a, b) in self.weights.items()
+        }
+
+
+@dataclass(frozen=True)
+class _Stack:
+    """Several adapters stacked along the rank, for batches whose rows run under different ones.
+
+    ``mats``: per module ``(A^T [in, R], B^T [R, out])`` with R the sum of the ranks (zero
+    blocks where an adapter leaves a module alone); ``blocks``: ``[G + 1, R]``, row g is 1
+    on adapter g's columns, the last row (the base model) all 0.
+    """
+
+    mats: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    blocks: torch.Tensor
+
+    @classmethod
+    def of(cls, adapters: tuple[Adapter, ...], dtype: torch.dtype, device: Any) -> _Stack:
+        shapes = {
+            name: (a_t.shape[0], b_t.shape[1])
+            for adapter in adapters
+            for name, (a_t, b_t) in adapter.mats.items()
+        }
+        mats = {}
+        for name, (fan_in, fan_out) in shapes.items():
+            parts = [
+                adapter.mats.get(name)
+                or (
+                    torch.zeros(fan_in, adapter.rank, dtype=dtype, device=device),
+                    torch.zeros(adapter.rank, fan_out, dtype=dtype, device=device),
+                )
+                for adapter in adapters
+            ]
+            mats[name] = (torch.cat([a for a, _ in parts], 1), torch.cat([b for _, b in parts]))
+        ranks = [adapter.rank for adapter in adapters]
+        blocks = torch.zeros(len(adapters) + 1, sum(ranks), dtype=dtype, device=device)
+        start = 0
+        for g, rank in enumerate(ranks):
+            blocks[g, start : start + rank] = 1
+            start += rank
+        return cls(mats, blocks)
 
 
 def read_adapter(
@@ -146,8 +197,15 @@ class AdapterSet:
         self._evicted: dict[str, str] = {}  # name → path, reloaded on demand; guarded by _lock
         self.evictions = 0
         self.reloads = 0
-        # The running forward's rows grouped by adapter (scheduler thread only).
-        self._groups: list[tuple[Adapter, torch.Tensor | None]] = []
+        # What the hooks add in the running forward (scheduler thread only): per module
+        # (A^T, B^T), and the [B, 1, R] mask of each row's columns (None: every row's the same).
+        self._mats: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._mask: torch.Tensor | None = None
+        # Stacks of the adapter sets batches have mixed, reused step after step (scheduler
+        # thread only); emptied when an adapter leaves memory (``_forgotten`` changes).
+        self._stacks: dict[tuple[Adapter, ...], _Stack] = {}
+        self._forgotten = 0
+        self._stacks_at = 0
         self._handles: list[Any] = []
         self.hooked: set[str] = set()
         self.attach(model)
@@ -176,40 +234,33 @@ class AdapterSet:
 
     def _hook(self, name: str) -> Any:
         def add_delta(module: Any, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> Any:
-            if not self._groups:
+            pair = self._mats.get(name)
+            if pair is None:
                 return None
-            x = inputs[0]
-            for adapter, rows in self._groups:
-                pair = adapter.weights.get(name)
-                if pair is None:
-                    continue
-                a, b = pair
-                if rows is None:  # the whole batch runs under this adapter
-                    output = output + adapter.scale * ((x @ a.T) @ b.T)
-                else:
-                    delta = adapter.scale * ((x.index_select(0, rows) @ a.T) @ b.T)
-                    output = output.index_add(0, rows, delta)
-            return output
+            a_t, b_t = pair
+            low = inputs[0] @ a_t  # [B, T, R]
+            if self._mask is not None:
+                low = low * (self._mask if low.dim() == 3 else self._mask[:, 0])
+            return output + low @ b_t
 
         return add_delta
 
     def select(self, adapters: list[Adapter | None]) -> None:
         """Set which adapter each row of the next forward pass runs under (None: the base)."""
-        present = {id(a): a for a in adapters if a is not None}
+        present = tuple(dict.fromkeys(a for a in adapters if a is not None))
         if not present:
-            self._groups = []
+            self._mats, self._mask = {}, None
         elif len(present) == 1 and None not in adapters:
-            self._groups = [(next(iter(present.values())), None)]
+            self._mats, self._mask = present[0].mats, None
         else:
-            self._groups = [
-                (
-                    adapter,
-                    torch.tensor(
-                        [i for i, a in enumerate(adapters) if a is adapter], device=self.device
-                    ),
-                )
-                for adapter in present.values()
-            ]
+            if self._stacks_at != self._forgotten or len(self._stacks) > _MAX_STACKS:
+                self._stacks, self._stacks_at = {}, self._forgotten
+            stack = self._stacks.get(present)
+            if stack is None:
+                stack = self._stacks[present] = _Stack.of(present, self.dtype, self.device)
+            index = {adapter: g for g, adapter in enumerate(present)}
+            rows = torch.tensor([index.get(a, len(present)) for a in adapters])  # type: ignore[arg-type]
+            self._mats, self._mask = stack.mats, stack.blocks[rows.to(self.device)][:, None, :]
 
     def fits(self, running: list[Adapter | None], candidate: Adapter | None) -> bool:
         """Whether ``candidate`` may join a batch running ``running`` (``--max-loras-per-batch``)."""
@@ -257,6 +308,7 @@ class AdapterSet:
             )
         del self._adapters[victim.name]
         self._evicted[victim.name] = victim.path
+        self._forgotten += 1  # its weights may leave memory: drop the stacks that hold them
         self.evictions += 1
 
     def reload(self, name: str) -> bool:
@@ -277,6 +329,11 @@ class AdapterSet:
             self.reloads += 1
         return True
 
+    def was_evicted(self, name: str) -> bool:
+        """Whether ``name`` is known but out of memory (``reload`` would read it)."""
+        with self._lock:
+            return name in self._evicted and name not in self._adapters
+
     def evicted(self) -> list[str]:
         with self._lock:
             return sorted(self._evicted)
@@ -292,6 +349,7 @@ class AdapterSet:
                 raise AdapterLoadError(
                     f"LoRA adapter {name!r} is not loaded. Loaded adapters: {sorted(self._adapters)}."
                 )
+            self._forgotten += 1
             return adapter
 
     def loaded(self) -> dict[str, str]:

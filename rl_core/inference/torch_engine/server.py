@@ -106,7 +106,11 @@ async def generate(request: web.Request) -> web.StreamResponse:
         raise BadRequest(
             f"The input ({len(req.input_ids)} tokens) is longer than the model's context length ({engine.context_length} tokens)."
         )
-    if req.lora_path is not None and engine.adapters is not None:
+    if (
+        req.lora_path is not None
+        and engine.adapters is not None
+        and engine.adapters.was_evicted(req.lora_path)  # no thread hop for a loaded adapter
+    ):
         try:  # evicted while its run was quiet: read it again, beside the scheduler
             await asyncio.to_thread(engine.adapters.reload, req.lora_path)
         except (ValueError, OSError) as exc:
