@@ -356,6 +356,55 @@ async def test_pause_aborts_in_flight_requests_and_holds_new_ones_until_continue
     assert done["output_ids"] == aborted["output_ids"][:3]  # greedy: same prefix
 
 
+async def test_prompts_admitted_together_are_prefilled_in_one_forward_as_if_each_ran_alone(
+    private_engine,
+):
+    """Held by a pause, then admitted in one step: one right-padded prefill forward, and every
+    answer (tokens, output and input logprobs) is what the prompt gets alone."""
+    url = private_engine.url
+    prompts = [[40 + i] * (1 + 3 * i) + PROMPT for i in range(5)]  # different lengths
+    bodies = [
+        {
+            "input_ids": p,
+            "sampling_params": {"max_new_tokens": 0 if i == 4 else 6 + i, "temperature": 0},
+            "return_logprob": True,
+            # Some ask for input logprobs, some not; the last only for them (no new token).
+            "logprob_start_len": 0 if i in (1, 3, 4) else -1,
+        }
+        for i, p in enumerate(prompts)
+    ]
+    alone = [(await post(url, "/generate", body)).json() for body in bodies]
+    await post(url, "/pause_generation", {"mode": "abort"})
+    try:
+        together = asyncio.gather(*(post(url, "/generate", body) for body in bodies))
+
+        async def held() -> bool:
+            return (await stats(url))["num_waiting_reqs"] == len(bodies)
+
+        await wait_for(held)
+        before = await stats(url)
+    finally:
+        await post(url, "/continue_generation", {})
+    answers = [r.json() for r in await asyncio.wait_for(together, 30)]
+    after = await stats(url)
+    assert after["num_prefills"] - before["num_prefills"] == len(bodies)
+    assert after["num_prefill_batches"] - before["num_prefill_batches"] == 1
+    for single, batched in zip(alone, answers, strict=True):
+        assert batched["output_ids"] == single["output_ids"]
+        a, b = single["meta_info"], batched["meta_info"]
+        assert a["finish_reason"] == b["finish_reason"]
+        for key in ("output_token_logprobs", "input_token_logprobs"):
+            assert [t[1] for t in b.get(key, [])] == [t[1] for t in a.get(key, [])]
+            torch.testing.assert_close(
+                torch.tensor([t[0] for t in b.get(key, []) if t[0] is not None]),
+                torch.tensor([t[0] for t in a.get(key, []) if t[0] is not None]),
+                atol=1e-4,
+                rtol=1e-4,
+            )
+    assert len(answers[1]["meta_info"]["input_token_logprobs"]) == len(prompts[1])
+    assert answers[4]["output_ids"] == [] and answers[4]["meta_info"]["input_token_logprobs"]
+
+
 async def test_abort_request_by_rid(slow_engine):
     url = slow_engine.url
     body = {

@@ -21,6 +21,7 @@ from aiohttp import web
 from rl_core.inference.process import when_parent_exits
 from rl_core.inference.torch_engine.engine import TorchEngine, load_model
 from rl_core.inference.torch_engine.lora import AdapterSet
+from rl_core.inference.torch_engine.prefill import MAX_PREFILL_TOKENS
 from rl_core.inference.torch_engine.server import build_app
 
 logger = logging.getLogger("rl_core.inference.torch_engine")
@@ -43,6 +44,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument(
         "--max-running-requests", type=int, default=32, help="Largest decode batch."
+    )
+    parser.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=MAX_PREFILL_TOKENS,
+        help="Most padded prompt tokens in one prefill forward (prompts admitted together "
+        "are prefilled together).",
     )
     parser.add_argument(
         "--weight-version", default="default", help="Reported as meta_info.weight_version."
@@ -144,6 +152,7 @@ def main(argv: list[str] | None = None) -> None:
         tokenizer,
         model_path=args.model_path,
         max_running_requests=args.max_running_requests,
+        max_prefill_tokens=args.max_prefill_tokens,
         weight_version=args.weight_version,
         context_length=args.context_length,
         served_model_name=args.served_model_name,

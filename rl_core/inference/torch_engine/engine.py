@@ -1,8 +1,8 @@
 """The torch engine's model, running batch and scheduler thread (continuous batching).
 
-A scheduler thread admits queued requests between decode steps, prefills each
-new request on its own (no padding, so no fully-masked rows), then runs one
-batched decode step for all running requests over a left-padded KV cache
+A scheduler thread admits queued requests between decode steps, prefills the
+new requests together (right-padded: prefill.py), then runs one batched decode
+step for all running requests over a left-padded KV cache
 (``kv_cache.PaddedBatchCache``). Model compute never runs on the HTTP event
 loop: other threads talk to the engine through ``submit`` and ``call``.
 """
@@ -21,15 +21,20 @@ from typing import Any
 import torch
 
 from rl_core.inference.torch_engine.fair import FairQueue, TokenRates
-from rl_core.inference.torch_engine.kv_cache import PaddedBatchCache, make_cache
+from rl_core.inference.torch_engine.kv_cache import PaddedBatchCache
 from rl_core.inference.torch_engine.lora import AdapterSet
 from rl_core.inference.torch_engine.penalties import apply_penalties, penalised
+from rl_core.inference.torch_engine.prefill import (
+    MAX_PREFILL_TOKENS,
+    chunks,
+    prefill,
+    wants_input_logprobs,
+)
 from rl_core.inference.torch_engine.protocol import BadRequest, GenerateRequest, generate_response
-from rl_core.sampling import SAMPLING_EPS, logprob_temperature
+from rl_core.inference.torch_engine.sample import sample_tokens
+from rl_core.sampling import logprob_temperature
 
 logger = logging.getLogger("rl_core.inference.torch_engine")
-
-_SAMPLING_EPS = SAMPLING_EPS  # temperatures below this are greedy, as in SGLang
 
 
 class EngineStopped(RuntimeError):
@@ -62,6 +67,7 @@ class TorchEngine:
         *,
         model_path: str,
         max_running_requests: int = 32,
+        max_prefill_tokens: int = MAX_PREFILL_TOKENS,
         weight_version: str = "default",
         context_length: int | None = None,
         served_model_name: str | None = None,
@@ -73,6 +79,7 @@ class TorchEngine:
         self.model_path = model_path
         self.served_model_name = served_model_name or model_path
         self.max_running_requests = max_running_requests
+        self.max_prefill_tokens = max_prefill_tokens
         self.weight_version = str(weight_version)
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         max_positions: int = getattr(model.config, "max_position_embeddings", None) or 4096
@@ -107,7 +114,8 @@ class TorchEngine:
         self.stats = {
             "max_batch_size_seen": 0,
             "num_decode_steps": 0,
-            "num_prefills": 0,
+            "num_prefills": 0,  # prompts prefilled
+            "num_prefill_batches": 0,  # forward passes they took (prefill.py batches them)
             "num_finished_reqs": 0,
             "num_aborted_reqs": 0,
             "num_generated_tokens": 0,
@@ -381,12 +389,9 @@ class TorchEngine:
         with self._cond:
             if not self._paused and not self._idle_commands:
                 admitted = self._waiting.pick(self._running, self._fits)
-        for req in admitted:
-            try:
-                self._prefill(req)
-            except Exception as exc:  # a bad prompt must not take the batch down with it
-                logger.exception("prefill of %s failed", req.rid)
-                self._finish(req, {"type": "abort", "message": f"Engine error: {exc}"})
+        ready = [req for req in admitted if self._needs_prefill(req)]
+        for group in chunks(ready, self.max_prefill_tokens):
+            self._prefill(group)
         if self._running:
             self._decode()
             if self.forward_sleep_time:
@@ -399,43 +404,44 @@ class TorchEngine:
         in_batch = [r.adapter for r in self._running] + [r.adapter for r in admitted]
         return self.adapters.fits(in_batch, req.adapter)
 
-    def _prefill(self, req: GenerateRequest) -> None:
-        """Run the prompt alone (no padding), sample the first token, join the batch."""
+    def _needs_prefill(self, req: GenerateRequest) -> bool:
+        """False when ``req`` is answered without a forward pass (and so finished here)."""
         if len(req.input_ids) >= self.context_length:  # the HTTP layer refuses these first
             self._finish(req, {"type": "abort", "message": "The input exceeds the context length."})
-            return
-        want_input = 0 <= req.logprob_start_len < len(req.input_ids)
-        if req.params.max_new_tokens == 0 and not want_input:
+            return False
+        if req.params.max_new_tokens == 0 and not wants_input_logprobs(req):
             self._finish(req, {"type": "length", "length": 0})
-            return
-        ids = torch.tensor([req.input_ids], device=self.device)  # [1, L]
+            return False
+        return True
+
+    def _prefill(self, reqs: list[GenerateRequest]) -> None:
+        """Run the prompts together, sample each first token, join the batch (prefill.py)."""
         if self.adapters is not None:
-            self.adapters.select([req.adapter])
-        out = self.model(
-            input_ids=ids,
-            position_ids=torch.arange(ids.shape[1], device=self.device)[None],
-            past_key_values=make_cache([]),
-            use_cache=True,
-            logits_to_keep=0 if want_input else 1,
-        )
-        self.stats["num_prefills"] += 1
-        logits = out.logits[0].float()  # [L or 1, V]
-        if want_input:
-            logprobs = torch.log_softmax(logits[:-1], dim=-1)  # row i predicts token i + 1
-            start = req.logprob_start_len
-            targets = torch.tensor(req.input_ids[1:], device=logits.device)
-            picked = logprobs.gather(-1, targets[:, None])[:, 0].tolist()
-            req.input_logprobs = [
-                (None if i == 0 else picked[i - 1], req.input_ids[i])
-                for i in range(start, len(req.input_ids))
-            ]
-        if req.params.max_new_tokens == 0:
-            self._finish(req, {"type": "length", "length": 0})
+            self.adapters.select([r.adapter for r in reqs])
+        try:
+            done = prefill(self.model, reqs, self.device)
+        except Exception as exc:  # a bad prompt must not take the others down with it
+            if len(reqs) > 1:
+                for req in reqs:
+                    self._prefill([req])
+                return
+            logger.exception("prefill of %s failed", reqs[0].rid)
+            self._finish(reqs[0], {"type": "abort", "message": f"Engine error: {exc}"})
             return
-        self._advance([req], logits[-1:])
-        if req.finish is None:
-            self._cache.join(out.past_key_values, len(req.input_ids))
-            self._running.append(req)
+        self.stats["num_prefills"] += len(reqs)
+        self.stats["num_prefill_batches"] += 1
+        for req, logprobs in zip(reqs, done.input_logprobs, strict=True):
+            if logprobs is not None:
+                req.input_logprobs = logprobs
+            if req.params.max_new_tokens == 0:
+                self._finish(req, {"type": "length", "length": 0})
+        going = [i for i, req in enumerate(reqs) if req.finish is None]
+        if going:
+            self._advance([reqs[i] for i in going], done.last_logits[going])
+        joining = [i for i in going if reqs[i].finish is None]
+        if joining:
+            self._cache.join(done.past_key_values, done.lengths, joining)
+            self._running.extend(reqs[i] for i in joining)
         self.stats["max_batch_size_seen"] = max(
             self.stats["max_batch_size_seen"], len(self._running)
         )
@@ -463,11 +469,12 @@ class TorchEngine:
         # (rl_core.sampling): log_softmax(logits / T); greedy requests at T = 1.
         temps = torch.tensor([[logprob_temperature(r.params.temperature)] for r in reqs])  # [B, 1]
         logprobs = torch.log_softmax(logits / temps, dim=-1)  # [B, V]
+        tokens = sample_tokens(logits, reqs, self.eos_ids)
+        picked = logprobs.gather(-1, torch.tensor(tokens)[:, None])[:, 0].tolist()
         self.token_rates.add(collections.Counter(r.tenant for r in reqs), time.monotonic())
         for i, req in enumerate(reqs):
-            token = self._sample(logits[i], req)
-            req.output_ids.append(token)
-            req.output_logprobs.append(float(logprobs[i, token]))
+            req.output_ids.append(tokens[i])
+            req.output_logprobs.append(picked[i])
             req.output_versions.append(self.weight_version)
             if req.top_logprobs_num:
                 top = logprobs[i].topk(req.top_logprobs_num)
@@ -481,30 +488,6 @@ class TorchEngine:
                 self._finish(req, finish)
             elif req.stream:
                 req.sink(self._response(req), False)
-
-    def _sample(self, logits: torch.Tensor, req: GenerateRequest) -> int:
-        p = req.params
-        if len(req.output_ids) < p.min_new_tokens and not p.ignore_eos:
-            logits = logits.clone()
-            logits[list(self.eos_ids | set(p.stop_token_ids))] = float("-inf")
-        if p.temperature < _SAMPLING_EPS:
-            return int(torch.argmax(logits))
-        logits = logits / p.temperature
-        if 0 < p.top_k < logits.shape[-1]:
-            kth = torch.topk(logits, p.top_k).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        if p.top_p < 1.0:
-            sorted_probs, order = torch.sort(probs, descending=True)
-            outside = (
-                torch.cumsum(sorted_probs, dim=-1) - sorted_probs > p.top_p
-            )  # keep the smallest nucleus
-            probs = torch.zeros_like(probs).scatter(
-                0, order, sorted_probs.masked_fill(outside, 0.0)
-            )
-        if p.min_p > 0.0:
-            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
-        return int(torch.multinomial(probs, 1, generator=req.generator))
 
     def _check_finish(self, req: GenerateRequest) -> dict[str, Any] | None:
         p, token, n = req.params, req.output_ids[-1], len(req.output_ids)

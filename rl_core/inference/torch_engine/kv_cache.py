@@ -1,7 +1,7 @@
 """The running batch's KV cache: one left-padded tensor per layer, grown and shrunk in place.
 
-Each new request is prefilled on its own (no padding, so no fully-masked rows)
-and then joins the batch as a new row, left-padded to the batch's length. A
+New requests are prefilled together, right-padded (prefill.py), and each then
+joins the batch as a new row, cut to its real length and left-padded to the batch's. A
 decode step feeds every row one token; finished rows are dropped, and so is any
 left padding no remaining row needs.
 """
@@ -52,23 +52,32 @@ class PaddedBatchCache:
     def clear(self) -> None:
         self.kv, self.mask = None, None
 
-    def join(self, past_key_values: Any, length: int) -> None:
-        """Append one prefilled request's cache (batch size 1, ``length`` real positions) as a row."""
+    def join(self, past_key_values: Any, lengths: list[int], rows: list[int]) -> None:
+        """Append ``rows`` of a right-padded prefill's cache as batch rows; row i of it is
+        real for its first ``lengths[i]`` positions."""
         kv = cache_tensors(past_key_values)
-        mask = torch.ones(1, length, dtype=torch.long, device=self.device)
+        t_old = 0 if self.mask is None else self.mask.shape[1]
+        t = max([t_old] + [lengths[i] for i in rows])
+
+        def left_padded(x: torch.Tensor) -> torch.Tensor:  # [n, H, T, D] -> [rows, H, t, D]
+            return torch.cat(
+                [_left_pad(x[i : i + 1, :, : lengths[i]], t - lengths[i], 2) for i in rows]
+            )
+
+        new = [(left_padded(k), left_padded(v)) for k, v in kv]
+        ones = torch.ones(1, t, dtype=torch.long, device=self.device)
+        mask = torch.cat([_left_pad(ones[:, : lengths[i]], t - lengths[i], 1) for i in rows])
         if self.kv is None or self.mask is None:
-            self.kv, self.mask = kv, mask
+            self.kv, self.mask = new, mask
             return
-        t_old, t_new = self.mask.shape[1], length
-        t = max(t_old, t_new)
         self.kv = [
             (
-                torch.cat([_left_pad(k0, t - t_old, 2), _left_pad(k1, t - t_new, 2)]),
-                torch.cat([_left_pad(v0, t - t_old, 2), _left_pad(v1, t - t_new, 2)]),
+                torch.cat([_left_pad(k0, t - t_old, 2), k1]),
+                torch.cat([_left_pad(v0, t - t_old, 2), v1]),
             )
-            for (k0, v0), (k1, v1) in zip(self.kv, kv, strict=True)
+            for (k0, v0), (k1, v1) in zip(self.kv, new, strict=True)
         ]
-        self.mask = torch.cat([_left_pad(self.mask, t - t_old, 1), _left_pad(mask, t - t_new, 1)])
+        self.mask = torch.cat([_left_pad(self.mask, t - t_old, 1), mask])
 
     def decode(self, model: Any, last_tokens: torch.Tensor) -> torch.Tensor:
         """Run ``model`` on one new token per row (``last_tokens`` [B, 1]); return logits [B, V]."""

@@ -1,0 +1,103 @@
+"""Prefill: the prompts admitted in one scheduler step run as one forward pass.
+
+The prompts are right-padded to the longest: a real token attends only to the tokens
+before it, all real, and a padding position still sees its row's real tokens, so no
+attention row is fully masked (a fully masked row is NaN in SDPA, and NaN times a zero
+weight would leak into real rows). Each row keeps its own positions (0, 1, ...) and its
+cache is cut to its real length when it joins the running batch (``kv_cache.join``).
+
+A step used to prefill each new prompt alone: on a CPU one small forward costs about
+what a decode step does, so a batch's requests that finished together (the same
+``max_new_tokens``) made their successors wait one forward each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rl_core.inference.torch_engine.kv_cache import make_cache
+from rl_core.inference.torch_engine.protocol import GenerateRequest
+
+MAX_PREFILL_TOKENS = 16384  # SGLang's --max-prefill-tokens default: padded tokens per forward
+
+
+@dataclass
+class Prefilled:
+    """One prefill forward: per row, the logits after its last prompt token and its cache."""
+
+    last_logits: torch.Tensor  # [B, V] float
+    past_key_values: Any  # right-padded: row i is real for its first lengths[i] positions
+    lengths: list[int]
+    input_logprobs: list[list[tuple[float | None, int]] | None]  # where a request asked
+
+
+def wants_input_logprobs(req: GenerateRequest) -> bool:
+    return 0 <= req.logprob_start_len < len(req.input_ids)
+
+
+def chunks(reqs: list[GenerateRequest], max_tokens: int) -> Iterator[list[GenerateRequest]]:
+    """``reqs`` in order, in groups whose padded size (rows × longest) fits ``max_tokens``; a
+    prompt longer than that goes alone."""
+    group: list[GenerateRequest] = []
+    width = 0
+    for req in reqs:
+        longest = max(width, len(req.input_ids))
+        if group and longest * (len(group) + 1) > max_tokens:
+            yield group
+            group, longest = [], len(req.input_ids)
+        group.append(req)
+        width = longest
+    if group:
+        yield group
+
+
+def prefill(model: Any, reqs: list[GenerateRequest], device: torch.device) -> Prefilled:
+    """Run ``reqs``' prompts through ``model`` together (no request is changed)."""
+    lengths = [len(r.input_ids) for r in reqs]
+    width = max(lengths)
+    ids = torch.tensor(
+        [r.input_ids + [0] * (width - len(r.input_ids)) for r in reqs], device=device
+    )
+    positions = torch.arange(width, device=device)[None].expand(len(reqs), -1)
+    kwargs: dict[str, Any] = {}
+    if min(lengths) < width:
+        real = torch.tensor(lengths, device=device)[:, None]
+        kwargs["attention_mask"] = (positions < real).long()
+    if any(wants_input_logprobs(r) for r in reqs):
+        keep: int | torch.Tensor = 0  # every position
+        columns = [n - 1 for n in lengths]
+    else:  # only each row's last position
+        ends = sorted(set(lengths))
+        keep = torch.tensor([n - 1 for n in ends], device=device)
+        columns = [ends.index(n) for n in lengths]
+    out = model(
+        input_ids=ids,
+        position_ids=positions,
+        past_key_values=make_cache([]),
+        use_cache=True,
+        logits_to_keep=keep,
+        **kwargs,
+    )
+    logits = out.logits.float()  # [B, kept, V]
+    rows = torch.arange(len(reqs), device=logits.device)
+    last = logits[rows, torch.tensor(columns, device=logits.device)]
+    input_logprobs = [
+        _input_logprobs(logits[i, : lengths[i]], req) if wants_input_logprobs(req) else None
+        for i, req in enumerate(reqs)
+    ]
+    return Prefilled(last, out.past_key_values, lengths, input_logprobs)
+
+
+def _input_logprobs(logits: torch.Tensor, req: GenerateRequest) -> list[tuple[float | None, int]]:
+    """SGLang's ``input_token_logprobs`` from ``logprob_start_len`` on (the first is None)."""
+    logprobs = torch.log_softmax(logits[:-1], dim=-1)  # row i predicts token i + 1
+    targets = torch.tensor(req.input_ids[1:], device=logits.device)
+    picked = logprobs.gather(-1, targets[:, None])[:, 0].tolist()
+    return [
+        (None if i == 0 else picked[i - 1], req.input_ids[i])
+        for i in range(req.logprob_start_len, len(req.input_ids))
+    ]
