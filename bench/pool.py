@@ -2,7 +2,7 @@
 
     nice -n 19 .venv/bin/python bench/pool.py [--model tiny|PATH] [--runs 1,2,4] [--clients 4]
         [--duration 20] [--warmup 3] [--cores 0,1] [--threads 1] [--max-new-tokens 16] [--flood 16]
-        [--flood-batch 16] [--out .steep/bench/pool.json]
+        [--flood-batch 16] [--profile] [--out .steep/bench/pool.json]
 
 A "run" here is what a LoRA run puts on its inference servers: one adapter (rank 8, random
 B, saved in peft's format: what a training step publishes) and ``--clients`` agents, each
@@ -35,6 +35,7 @@ import asyncio
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -166,6 +167,21 @@ def cell(kind: str, n: int, args, model: Path, adapters: list[Path], logs: Path)
     }
 
 
+def profiler(pid: int, args) -> subprocess.Popen:
+    """py-spy the engine ``pid`` through the flooded window (raw collapsed stacks; summarise
+    them with ``bench/pyspy_summary.py``). The profile slows the engine: not a measurement."""
+    pyspy = ROOT / ".venv" / "bin" / "py-spy"
+    out = Path(args.out).with_name("pool-flood-profile.txt")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    print(f"profiling the flooded engine -> {out}", flush=True)
+    return subprocess.Popen(
+        [str(pyspy if pyspy.exists() else "py-spy"), "record", "--pid", str(pid), "--duration",
+         str(round(args.warmup + args.duration)), "--rate", "250", "--format", "raw",
+         "--output", str(out), "--nonblocking"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+
+
 def flood(args, model: Path, adapters: list[Path], logs: Path) -> dict:
     """Run A (1 client) alone, then beside run B (``--flood`` clients), on one shared engine."""
     server = engine(model, args.threads, 2, logs, "flood", batch=args.flood_batch)
@@ -176,6 +192,7 @@ def flood(args, model: Path, adapters: list[Path], logs: Path) -> dict:
         alone = asyncio.run(
             drive([("run0", server.url, 1)], args.duration, args.warmup, args.max_new_tokens)
         )
+        spy = profiler(server.process.pid, args) if args.profile else None
         both = asyncio.run(
             drive(
                 [("run0", server.url, 1), ("run1", server.url, args.flood)],
@@ -184,6 +201,8 @@ def flood(args, model: Path, adapters: list[Path], logs: Path) -> dict:
                 args.max_new_tokens,
             )
         )
+        if spy is not None:
+            spy.wait(60)
     finally:
         server.stop()
     solo, beside = statistics.median(alone["run0"]), statistics.median(both["run0"])
@@ -211,6 +230,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--flood", type=int, default=16, help="0 skips the fair-share check")
     parser.add_argument(
         "--flood-batch", type=int, default=16, help="--max-running-requests of the flood engine"
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="py-spy the flood engine (its ratio is then not a result)",
     )
     parser.add_argument("--out", default=str(ROOT / ".steep" / "bench" / "pool.json"))
     args = parser.parse_args(argv)

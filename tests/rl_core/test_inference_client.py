@@ -73,7 +73,10 @@ async def test_generate_reports_stop_and_top_logprobs(torch_engine):
             {"max_new_tokens": 8, "temperature": 0, "stop_token_ids": [stop]},
             top_logprobs_num=2,
         )
-        plain = await client.generate(PROMPT, {"max_new_tokens": 2}, return_logprob=False)
+        # Sampled without a seed: ignore_eos, or an EOS drawn first ends it at one token.
+        plain = await client.generate(
+            PROMPT, {"max_new_tokens": 2, "ignore_eos": True}, return_logprob=False
+        )
     assert stopped.finish_reason == "stop" and stopped.matched_stop == stop
     assert stopped.output_ids == greedy.output_ids[: greedy.output_ids.index(stop) + 1]
     assert stopped.top_logprobs is not None and len(stopped.top_logprobs) == len(stopped.output_ids)
