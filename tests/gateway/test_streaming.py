@@ -158,6 +158,40 @@ def test_a_client_that_goes_away_mid_stream_aborts_the_engine_request_and_the_tu
     assert [t["aborted"] for t in detail["interactions"]] == [False, True]
 
 
+def test_a_retry_after_an_aborted_turn_continues_the_same_trajectory(gw, engine, http):
+    """The retry of a turn whose stream was cut continues turn 1 (its tokens reused, as for
+    any next turn), and the episode stays one trajectory: turn 1 and the retry, no gap."""
+    session_id, key = gw.start_session()
+    client = gw.openai(key)
+    first = client.chat.completions.create(model=gw.model, messages=HI, max_tokens=4, seed=1)
+    messages = [*HI, first.choices[0].message.model_dump(exclude_none=True)]
+    messages.append({"role": "user", "content": "Go on."})
+    body = {"model": gw.model, "messages": messages, "max_tokens": 400, "stream": True}
+    with _slow(engine):
+        aborted_id = _leave_after_first_event(http, gw, body, key)
+        _wait_for(lambda: Interaction.objects.filter(pk=aborted_id).first(), "the aborted turn")
+    retry = client.chat.completions.create(model=gw.model, messages=messages, max_tokens=4)
+    third = client.chat.completions.create(
+        model=gw.model,
+        messages=[
+            *messages,
+            retry.choices[0].message.model_dump(exclude_none=True),
+            {"role": "user", "content": "And then?"},
+        ],
+        max_tokens=4,
+    )
+    assert gw.post("/rl/set_reward", {"reward": 1.0}, key=key).status_code == 200
+    session = Session.objects.get(pk=session_id)
+    turns = {t.id: t for t in session.interactions.all()}
+    assert turns[aborted_id].aborted and not turns[retry.id].aborted
+    # The retry's prompt begins with turn 1's tokens, as an unbroken next turn's does.
+    one = turns[first.id]
+    assert turns[retry.id].prefix_reused
+    assert turns[retry.id].input_ids[: len(one.input_ids)] == one.input_ids
+    trajectories = session_trajectories(session)
+    assert [t.metadata["interactions"] for t in trajectories] == [[first.id, retry.id, third.id]]
+
+
 @pytest.mark.parametrize(
     ("param", "value"),
     [
