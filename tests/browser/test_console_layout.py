@@ -347,5 +347,10 @@ def test_list_pages_fit_both_widths(
         ready="#datasets-panel",
     )
     page.goto(f"{live_server.url}/projects/{project.id}/runs/")
+    for width in WIDTHS.values():  # every project tab in sight, none scrolled away
+        page.set_viewport_size({"width": width, "height": 900})
+        for tab in page.locator("nav.tabs a").all():
+            edge = tab.bounding_box()
+            assert edge["x"] >= 0 and edge["x"] + edge["width"] <= width, (tab.inner_text(), width)
     created = page.locator("#runs-table time").first
     assert created.inner_text() == "just now" and " UTC" in created.get_attribute("title")
