@@ -52,6 +52,16 @@ def load_model(path: str | os.PathLike, device: torch.device) -> Any:
     return model.eval()
 
 
+def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """``probs`` [k, V] with everything outside each row's smallest set of most likely tokens
+    whose mass reaches ``top_p`` set to 0 (SGLang's top-p; the engines' own sampler)."""
+    if top_p >= 1.0:
+        return probs
+    ranked, order = torch.sort(probs, dim=-1, descending=True)
+    ranked = ranked.masked_fill(torch.cumsum(ranked, dim=-1) - ranked > top_p, 0.0)
+    return torch.zeros_like(probs).scatter_(-1, order, ranked)
+
+
 @torch.no_grad()
 def sample(
     model: Any,
@@ -62,8 +72,10 @@ def sample(
     temperature: float,
     stop_ids: set[int],
     seed: int,
+    top_p: float = 1.0,
 ) -> list[list[int]]:
-    """``k`` answers to ``prompt`` (each ending at its first stop token, which is kept)."""
+    """``k`` answers to ``prompt`` (each ending at its first stop token, which is kept),
+    sampled as the run's rollouts are: at ``temperature``, from the nucleus ``top_p``."""
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
     out = model(torch.tensor([prompt] * k, device=device), use_cache=True)
@@ -74,7 +86,7 @@ def sample(
         if temperature < GREEDY_BELOW:
             tokens = logits.argmax(-1)  # [k]
         else:
-            probs = torch.softmax(logits / temperature, dim=-1)
+            probs = nucleus(torch.softmax(logits / temperature, dim=-1), top_p)
             tokens = torch.multinomial(probs, 1, generator=generator)[:, 0]  # [k]
         for i, token in enumerate(tokens.tolist()):
             if not done[i]:
@@ -97,6 +109,7 @@ def evaluate_row(
     max_new_tokens: int,
     temperature: float,
     seed: int,
+    top_p: float = 1.0,
 ) -> dict[str, Any]:
     messages = row_messages(row)
     prompt_text = tokenizer.render(messages)
@@ -106,6 +119,7 @@ def evaluate_row(
         k=k,
         max_new_tokens=max_new_tokens,
         temperature=temperature,
+        top_p=top_p,
         stop_ids=set(tokenizer.eos_token_ids),
         seed=member_seed(seed, index, 0),
     )
@@ -136,6 +150,7 @@ def evaluate(
     k: int,
     max_new_tokens: int,
     temperature: float,
+    top_p: float = 1.0,
     seed: int = 0,
     device: str = "cpu",
 ) -> list[dict[str, Any]]:
@@ -156,6 +171,7 @@ def evaluate(
                 k=k,
                 max_new_tokens=max_new_tokens,
                 temperature=temperature,
+                top_p=top_p,
                 seed=seed,
             )
             handle.write(json.dumps(result, ensure_ascii=False) + "\n")
@@ -175,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--k", type=int, required=True)
     parser.add_argument("--max-new-tokens", type=int, required=True)
     parser.add_argument("--temperature", type=float, required=True)
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus mass; 1: none")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--parent-pid",
@@ -200,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         k=args.k,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
+        top_p=args.top_p,
         seed=args.seed,
         device=os.environ.get("STEEP_EVAL_DEVICE", "cpu"),
     )

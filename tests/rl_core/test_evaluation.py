@@ -196,3 +196,23 @@ async def test_the_loop_also_checkpoints_at_each_eval_step(tmp_path):
     loop = TrainingLoop(cfg, CountingTrainer(), source, None, reporter, None, tmp_path)
     await loop.run(max_steps=5)
     assert [c["step"] for c in reporter.checkpoints] == [2, 4, 5]  # eval steps, then the end
+
+
+def test_evals_sample_from_the_runs_nucleus(tiny_model_dir):
+    """top_p keeps the smallest set of most likely tokens whose mass reaches it: near 0 only the
+    most likely token is left (greedy), at 1 the model's full distribution is sampled."""
+    import torch
+
+    from rl_core.evaluate import load_model, nucleus, sample
+
+    probs = torch.tensor([[0.5, 0.15, 0.3, 0.05], [0.04, 0.06, 0.1, 0.8]])
+    kept = {p: (nucleus(probs, p) > 0).int().tolist() for p in (0.7, 0.85)}
+    assert kept == {0.7: [[1, 0, 1, 0], [0, 0, 0, 1]], 0.85: [[1, 1, 1, 0], [0, 0, 1, 1]]}
+    assert torch.equal(nucleus(probs, 0.85)[0, :3], probs[0, :3])  # what is kept is unchanged
+    assert nucleus(probs, 1.0) is probs
+
+    model = load_model(tiny_model_dir, torch.device("cpu"))
+    common = {"prompt": [72, 105, 33], "k": 6, "max_new_tokens": 8, "stop_ids": set(), "seed": 3}
+    greedy = sample(model, temperature=0.0, **common)
+    assert sample(model, temperature=1.0, top_p=1e-6, **common) == greedy
+    assert len({tuple(a) for a in sample(model, temperature=1.0, top_p=1.0, **common)}) > 1

@@ -144,6 +144,22 @@ def test_a_scheduled_eval_is_queued_and_the_job_keeps_reporting_steps(
     assert Eval.objects.filter(run=run, scheduled=True).count() == 1
 
 
+def test_an_eval_samples_with_the_runs_temperature_and_top_p(api, world, make_run, member_client):
+    run = make_run(
+        world.run.project,
+        name="nucleus",
+        dataset=world.dataset,
+        **(world.run.config | {"temperature": 0.7, "top_p": 0.5}),
+    )
+    response = api.post(evals_url(run), {"base_model": True}, format="json")
+    assert response.status_code == 201, response.content[:500]
+    (created,) = response.json()
+    assert (created["temperature"], created["top_p"]) == (0.7, 0.5)
+    assert Eval.objects.get(pk=created["id"]).top_p == 0.5
+    page = member_client.get(f"/projects/{run.project_id}/runs/{run.id}/evals/{created['id']}/")
+    assert "sampled at temperature 0.7, top-p 0.5" in page.content.decode()
+
+
 def test_an_eval_whose_checkpoint_files_are_gone_is_409(api, world, api_error):
     gone = Checkpoint.objects.create(run=world.run, version=9, step=9, path="/nowhere/step_9")
     error = api_error(

@@ -69,6 +69,8 @@ class EvalOutput(serializers.Serializer):
     scheduled = serializers.BooleanField(help_text="Started by the run's eval_every.")
     k = serializers.IntegerField()
     pass_threshold = serializers.FloatField(help_text="A sample passes when its reward is ≥ this.")
+    temperature = serializers.FloatField(help_text="Sampling temperature (the run's); 0: greedy.")
+    top_p = serializers.FloatField(help_text="Nucleus sampling mass (the run's); 1: none.")
     status = serializers.CharField(help_text="queued → running → done | failed.")
     progress_done = serializers.IntegerField(help_text="Examples scored so far.")
     progress_total = serializers.IntegerField(help_text="Examples to score (known once running).")

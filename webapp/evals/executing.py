@@ -112,6 +112,7 @@ def _execute(evaluation: Eval, rows: list[dict]) -> str:
         "--k", str(evaluation.k),
         "--max-new-tokens", str(evaluation.max_new_tokens),
         "--temperature", str(evaluation.temperature),
+        "--top-p", str(evaluation.top_p),
         "--seed", str(stored_setting(run.config, "seed")),
         "--parent-pid", str(os.getpid()),  # it ends with this worker, never writes beside a retry
     ]  # fmt: skip

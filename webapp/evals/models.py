@@ -42,6 +42,7 @@ class Eval(models.Model):
     pass_threshold = models.FloatField()
     max_new_tokens = models.PositiveIntegerField()
     temperature = models.FloatField()
+    top_p = models.FloatField(default=1.0, help_text="Nucleus sampling mass (the run's); 1: none.")
     status = models.CharField(
         max_length=10, choices=Status.choices, default=Status.QUEUED, db_index=True
     )

@@ -45,7 +45,7 @@ def eval_request(
 
     Defaults come from the run's settings: its dataset, the held-out split when it holds
     rows out (``eval_fraction``), else all of the dataset's rows, ``eval_k``, its reward,
-    ``max_new_tokens`` and ``temperature``. Raises ``EvalRefused``.
+    ``max_new_tokens``, ``temperature`` and ``top_p``. Raises ``EvalRefused``.
     """
     config = run.config
     if not stored_setting(config, "reward"):
@@ -89,6 +89,7 @@ def eval_request(
         "pass_threshold": float(stored_setting(config, "eval_pass_threshold")),
         "max_new_tokens": int(stored_setting(config, "max_new_tokens")),
         "temperature": float(stored_setting(config, "temperature")),
+        "top_p": float(stored_setting(config, "top_p")),
     }
     models: list[Checkpoint | None] = ([None] if base else []) + list(checkpoints)
     with transaction.atomic():
