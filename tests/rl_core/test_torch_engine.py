@@ -525,3 +525,65 @@ def test_engine_module_serves_the_documented_cli(tiny_model_dir: Path):
         "3",
         "127.0.0.1",
     )
+
+
+def test_a_failure_after_a_batched_prefill_aborts_its_requests_and_the_engine_serves_on(
+    tiny_model_dir: Path, monkeypatch
+):
+    """Sampling the first tokens of a prefilled batch fails: each of its requests gets an abort
+    (none waits forever), and the next request is served as usual."""
+    import threading
+
+    from transformers import AutoTokenizer
+
+    from rl_core.inference.torch_engine import engine as engine_module
+    from rl_core.inference.torch_engine.protocol import parse_generate_request
+
+    model = engine_module.load_model(str(tiny_model_dir))
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    engine = engine_module.TorchEngine(model, tokenizer, model_path=str(tiny_model_dir))
+    sample = engine_module.sample_tokens
+    calls = []
+
+    def failing_once(*args: Any) -> list[int]:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("sampling broke")
+        return sample(*args)
+
+    monkeypatch.setattr(engine_module, "sample_tokens", failing_once)
+    results: dict[str, dict] = {}
+    finished = threading.Event()
+
+    def submit(rid: str, expected: int) -> None:
+        body = {
+            "input_ids": PROMPT[: 3 + len(rid)],
+            "rid": rid,
+            "sampling_params": {"max_new_tokens": 3},
+        }
+        req = parse_generate_request(body, tokenizer=tokenizer, vocab_size=engine.vocab_size)
+
+        def sink(payload: dict, final: bool) -> None:
+            if final:
+                results[rid] = payload
+                if len(results) == expected:
+                    finished.set()
+
+        req.sink = sink
+        engine.submit(req)
+
+    for rid in ("a", "bb", "ccc"):  # queued before the scheduler starts: one prefill batch
+        submit(rid, 3)
+    engine.start()
+    try:
+        assert finished.wait(60)
+        assert engine.stats["num_prefill_batches"] == 1
+        for rid in ("a", "bb", "ccc"):
+            reason = results[rid]["meta_info"]["finish_reason"]
+            assert reason["type"] == "abort" and "sampling broke" in reason["message"]
+        finished.clear()
+        submit("next", 4)
+        assert finished.wait(60)
+    finally:
+        engine.stop()
+    assert results["next"]["meta_info"]["finish_reason"] == {"type": "length", "length": 3}

@@ -26,6 +26,7 @@ from rl_core.inference.torch_engine.lora import AdapterSet
 from rl_core.inference.torch_engine.penalties import apply_penalties, penalised
 from rl_core.inference.torch_engine.prefill import (
     MAX_PREFILL_TOKENS,
+    Prefilled,
     chunks,
     prefill,
     wants_input_logprobs,
@@ -430,6 +431,16 @@ class TorchEngine:
             return
         self.stats["num_prefills"] += len(reqs)
         self.stats["num_prefill_batches"] += 1
+        try:
+            self._start(reqs, done)
+        except Exception as exc:  # none of them may be left waiting on a step that failed
+            logger.exception("starting %d prefilled requests failed", len(reqs))
+            for req in reqs:
+                if req not in self._running:
+                    self._finish(req, {"type": "abort", "message": f"Engine error: {exc}"})
+
+    def _start(self, reqs: list[GenerateRequest], done: Prefilled) -> None:
+        """Record what the prefill gave, sample each first token, join the batch."""
         for req, logprobs in zip(reqs, done.input_logprobs, strict=True):
             if logprobs is not None:
                 req.input_logprobs = logprobs
