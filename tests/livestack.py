@@ -36,7 +36,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from rl_core.inference.process import free_port
+from rl_core.inference.process import free_port as free_port  # re-exported for the tests
+from rl_core.inference.process import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -134,10 +135,14 @@ def steep_env(
         env["SITE_URL"] = site_url
     if local_ray:
         env.pop("RAY_ADDRESS", None)
+        # Distinct from each other and from the web server's (ports asked for one at a time
+        # may come back the same).
+        web = {int(port) for port in [extra.get("STEEP_PORT")] if port}
+        dashboard, gcs = free_ports(2, besides=web)
         env.update(
             RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
-            RAY_LOCAL_DASHBOARD_PORT=str(free_port()),
-            RAY_LOCAL_GCS_PORT=str(free_port()),
+            RAY_LOCAL_DASHBOARD_PORT=str(dashboard),
+            RAY_LOCAL_GCS_PORT=str(gcs),
             RAY_NUM_CPUS="8",
             STEEP_TORCH_THREADS="1",
         )

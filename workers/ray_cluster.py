@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from rl_core.inference.process import free_port, group_alive, signal_group, take_recorded_groups
+from rl_core.inference.process import free_ports, group_alive, signal_group, take_recorded_groups
 
 
 class RayUnavailable(RuntimeError):
@@ -129,6 +129,7 @@ def _ensure_local_head(
         if _alive(url):
             return RayCluster(dashboard_url=url, local=True)
     url = f"http://127.0.0.1:{dashboard_port}"
+    agent_port, client_port = free_ports(2, besides={dashboard_port, gcs_port})
     command = [
         str(Path(sys.executable).with_name("ray")),
         "start",
@@ -143,10 +144,11 @@ def _ensure_local_head(
         str(dashboard_port),
         # Ports Ray would otherwise take fixed (52365, 10001): another Ray head on this
         # machine holding them leaves this one without its job agent ("No available agent").
+        # Two distinct ones: Ray refuses to start with one port for both.
         "--dashboard-agent-listen-port",
-        str(free_port()),
+        str(agent_port),
         "--ray-client-server-port",
-        str(free_port()),
+        str(client_port),
         "--num-cpus",
         # Logical CPUs are admission tokens: a run takes one per trainer worker and one per
         # torch engine; the demo starts two runs and a user adds a third: even a 2-core

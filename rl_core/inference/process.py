@@ -25,7 +25,7 @@ import tempfile
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import IO
 
@@ -114,9 +114,30 @@ def group_alive(pgid: int) -> bool:
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that is free right now on ``host`` (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    return free_ports(1, host)[0]
+
+
+def free_ports(count: int, host: str = "127.0.0.1", *, besides: Collection[int] = ()) -> list[int]:
+    """``count`` distinct TCP ports free right now on ``host``, none of ``besides``.
+
+    All are held bound until all are chosen: ports asked for one at a time may come back
+    the same (the OS hands a released port out again), and a Ray head given one port for
+    two of its components refuses to start.
+    """
+    sockets: list[socket.socket] = []
+    try:
+        ports: list[int] = []
+        while len(ports) < count:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sockets.append(s)
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+            if port not in besides:
+                ports.append(port)
+        return ports
+    finally:
+        for s in sockets:
+            s.close()
 
 
 class InferenceServer(ABC):
