@@ -34,7 +34,7 @@ from __future__ import annotations
 import json
 import math
 import threading
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -55,13 +55,14 @@ class AdapterLoadError(ValueError):
 
 @dataclass(eq=False)
 class Adapter:
-    """One loaded adapter: per target module ``(A [r, in], B [out, r])`` and the scale."""
+    """One loaded adapter, made from per target module ``(A [r, in], B [out, r])`` and the
+    scale; it keeps only what a forward multiplies by (``mats``), not a second copy."""
 
     name: str
     path: str
     rank: int
     scale: float
-    weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    weights: InitVar[dict[str, tuple[torch.Tensor, torch.Tensor]]]
     users: int = 0  # requests admitted under it and not finished; guarded by AdapterSet._lock
     pinned: bool = False  # never evicted (SGLang's ``pinned``)
     idle: threading.Event = field(default_factory=threading.Event)
@@ -69,11 +70,11 @@ class Adapter:
     # per module (A^T [in, r], scale · B^T [r, out]): what one forward multiplies by
     mats: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(init=False, repr=False)
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         self.idle.set()
         self.mats = {
             name: (a.T.contiguous(), (self.scale * b).T.contiguous())
-            for name, (a, b) in self.weights.items()
+            for name, (a, b) in weights.items()
         }
 
 
