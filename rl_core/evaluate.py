@@ -36,6 +36,7 @@ from rl_core.hf import load_causal_lm
 from rl_core.inference.process import when_parent_exits
 from rl_core.rewards import RewardFn, load_reward_fn, score
 from rl_core.rollout import member_seed, row_messages, row_metadata
+from rl_core.sampling import outside_nucleus
 
 GREEDY_BELOW = 1e-6  # SGLang's epsilon: a lower temperature is greedy decoding
 
@@ -54,11 +55,11 @@ def load_model(path: str | os.PathLike, device: torch.device) -> Any:
 
 def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """``probs`` [k, V] with everything outside each row's smallest set of most likely tokens
-    whose mass reaches ``top_p`` set to 0 (SGLang's top-p; the engines' own sampler)."""
+    whose mass reaches ``top_p`` set to 0 (``rl_core.sampling.outside_nucleus``, as the engine)."""
     if top_p >= 1.0:
         return probs
     ranked, order = torch.sort(probs, dim=-1, descending=True)
-    ranked = ranked.masked_fill(torch.cumsum(ranked, dim=-1) - ranked > top_p, 0.0)
+    ranked = ranked.masked_fill(outside_nucleus(ranked, top_p), 0.0)
     return torch.zeros_like(probs).scatter_(-1, order, ranked)
 
 

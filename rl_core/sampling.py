@@ -34,6 +34,14 @@ from typing import Any
 SAMPLING_EPS = 1e-6  # temperatures below this are greedy (SGLang's _SAMPLING_EPS)
 
 
+def outside_nucleus(ranked: Any, top_p: Any) -> Any:
+    """Where ``ranked`` (a tensor of probabilities, descending along its last dim) falls
+    outside the smallest set of most likely tokens whose mass reaches ``top_p`` (a number, or
+    a tensor per row): SGLang's top-p, for the torch engine and the evals alike. Tensor
+    methods only, so this module still imports no torch."""
+    return ranked.cumsum(dim=-1) - ranked > top_p
+
+
 def logprob_temperature(temperature: float) -> float:
     """The temperature the recorded logprob of a token sampled at ``temperature`` is taken at."""
     return 1.0 if temperature < SAMPLING_EPS else float(temperature)

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from rl_core.inference.torch_engine.protocol import GenerateRequest
-from rl_core.sampling import SAMPLING_EPS
+from rl_core.sampling import SAMPLING_EPS, outside_nucleus
 
 
 def sample_tokens(
@@ -87,7 +87,7 @@ def _draw(logits: torch.Tensor, reqs: list[GenerateRequest], *, truncate: bool) 
             [[r.params.top_p if r.params.top_p < 1.0 else float("inf")] for r in reqs],
             dtype=probs.dtype,
         )
-        probs = probs.masked_fill(torch.cumsum(probs, dim=-1) - probs > top_p, 0.0)
+        probs = probs.masked_fill(outside_nucleus(probs, top_p), 0.0)
         min_p = torch.tensor([[r.params.min_p] for r in reqs], dtype=probs.dtype)
         probs = probs.masked_fill(probs < min_p * probs[:, :1], 0.0)
     if order is not None:  # back to vocabulary order: a seed draws what it drew before
