@@ -72,6 +72,20 @@ def make_adapters(model: Path, out: Path, n: int) -> list[Path]:
     return paths
 
 
+def preset(name: str, vocab: int, work: Path) -> Path:
+    """A random-weight model of ``bench/train_step.py``'s preset ``name`` (no hub here)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import train_step
+
+    if name not in train_step.MODELS:
+        raise SystemExit(
+            f"--model {name!r}: not tiny, a preset ({sorted(train_step.MODELS)}) or a dir"
+        )
+    if vocab:
+        train_step.MODELS[name] = {**train_step.MODELS[name], "vocab_size": vocab}
+    return train_step.build_model(name, work)
+
+
 def rss_mib(pid: int) -> float:
     """Resident memory of the engine process ``pid`` (Linux ``/proc``), MiB."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -80,13 +94,23 @@ def rss_mib(pid: int) -> float:
     return float("nan")
 
 
-def engine(
-    model: Path, threads: int, n_adapters: int, logs: Path, name: str, batch: int = 64
-) -> TorchEngineServer:
+def gpu_mib(pids: list[int]) -> float:
+    """GPU memory the processes ``pids`` hold (``nvidia-smi``), MiB."""
+    out = subprocess.run(
+        ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+        capture_output=True, text=True, check=False,
+    ).stdout  # fmt: skip
+    used = {int(p): float(m) for p, m in (line.split(",") for line in out.splitlines() if line)}
+    return sum(used.get(pid, 0.0) for pid in pids)
+
+
+def engine(args, model: Path, n_adapters: int, logs: Path, name: str, batch: int = 64):
     return TorchEngineServer(
         model,
         host="127.0.0.1",
-        num_threads=threads,
+        num_threads=args.threads,
+        dtype=args.dtype,
+        device=args.device,
         lora_rank=8,
         max_loras_per_batch=max(1, n_adapters),
         max_running_requests=batch,
@@ -136,10 +160,10 @@ async def load(url: str, adapters: dict[str, Path]) -> None:
 def cell(kind: str, n: int, args, model: Path, adapters: list[Path], logs: Path) -> dict:
     runs = {f"run{i}": adapters[i] for i in range(n)}
     if kind == "shared":
-        servers = [engine(model, args.threads, n, logs, f"shared-{n}")]
+        servers = [engine(args, model, n, logs, f"shared-{n}", args.batch)]
         placement = {run: 0 for run in runs}
     else:
-        servers = [engine(model, args.threads, 1, logs, f"ded-{n}-{i}") for i in range(n)]
+        servers = [engine(args, model, 1, logs, f"ded-{n}-{i}", args.batch) for i in range(n)]
         placement = {run: i for i, run in enumerate(runs)}
     for server in servers:
         server.start()
@@ -151,6 +175,7 @@ def cell(kind: str, n: int, args, model: Path, adapters: list[Path], logs: Path)
         targets = [(run, servers[index].url, args.clients) for run, index in placement.items()]
         latencies = asyncio.run(drive(targets, args.duration, args.warmup, args.max_new_tokens))
         memory = sum(rss_mib(server.process.pid) for server in servers)
+        gpu = gpu_mib([server.process.pid for server in servers]) if args.device != "cpu" else 0
     finally:
         for server in servers:
             server.stop()
@@ -163,6 +188,7 @@ def cell(kind: str, n: int, args, model: Path, adapters: list[Path], logs: Path)
         "fairness": min(done.values()) / max(done.values()) if max(done.values()) else 0.0,
         "per_run": done,
         "rss_mib": memory,
+        "gpu_mib": gpu,
         "p50_s": statistics.median(every) if every else float("nan"),
     }
 
@@ -184,7 +210,7 @@ def profiler(pid: int, args) -> subprocess.Popen:
 
 def flood(args, model: Path, adapters: list[Path], logs: Path) -> dict:
     """Run A (1 client) alone, then beside run B (``--flood`` clients), on one shared engine."""
-    server = engine(model, args.threads, 2, logs, "flood", batch=args.flood_batch)
+    server = engine(args, model, 2, logs, "flood", batch=args.flood_batch)
     server.start()
     try:
         server.wait_healthy(timeout=300)
@@ -219,12 +245,29 @@ def flood(args, model: Path, adapters: list[Path], logs: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="tiny", help="tiny (rl_core.tiny) or a model dir")
+    parser.add_argument(
+        "--model",
+        default="tiny",
+        help="tiny (rl_core.tiny), a preset of bench/train_step.py (random weights, e.g. "
+        "qwen2-0.5b), or a model dir",
+    )
+    parser.add_argument(
+        "--vocab",
+        type=int,
+        default=0,
+        help="a preset's vocabulary size (0: the preset's; the tiny tokenizer's 260 keeps "
+        "the engine's per-step CPU sampling out of a GPU measurement)",
+    )
+    parser.add_argument("--device", default="cpu", help="the engines' torch device (cuda)")
+    parser.add_argument("--dtype", default="float32", help="the engines' --dtype (bfloat16)")
+    parser.add_argument(
+        "--batch", type=int, default=64, help="--max-running-requests of the N-run engines"
+    )
     parser.add_argument("--runs", default="1,2,4")
     parser.add_argument("--clients", type=int, default=4, help="agents per run")
     parser.add_argument("--duration", type=float, default=20.0)
     parser.add_argument("--warmup", type=float, default=3.0)
-    parser.add_argument("--cores", default="0,1", help="CPU cores every engine shares")
+    parser.add_argument("--cores", default="0,1", help="CPU cores every engine shares (0-15)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per engine")
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--flood", type=int, default=16, help="0 skips the fair-share check")
@@ -238,26 +281,35 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--out", default=str(ROOT / ".steep" / "bench" / "pool.json"))
     args = parser.parse_args(argv)
-    args.cores = [int(c) for c in args.cores.split(",")]
+    args.cores = [
+        c
+        for part in args.cores.split(",")
+        for c in range(int(part.split("-")[0]), int(part.split("-")[-1]) + 1)
+    ]
     os.sched_setaffinity(0, args.cores)  # every engine started from here inherits it
     work = Path(tempfile.mkdtemp(prefix="steep-bench-pool-"))
     if args.model == "tiny":
         from rl_core.tiny import build_tiny_model
 
         model = build_tiny_model(work / "tiny")
+    elif not Path(args.model).is_dir():
+        model = preset(args.model, args.vocab, work)
     else:
         model = Path(args.model)
     counts = [int(n) for n in args.runs.split(",") if n]  # "": the flood check only
     adapters = make_adapters(model, work / "adapters", max(counts + [2]))
     results = []
-    print(f"{'N':>2} {'engines':<10} {'traj/s':>8} {'fairness':>8} {'RSS MiB':>8} {'p50 s':>7}")
+    print(
+        f"{'N':>2} {'engines':<10} {'traj/s':>8} {'fairness':>8} {'RSS MiB':>8} "
+        f"{'GPU MiB':>8} {'p50 s':>7}"
+    )
     for n in counts:
         for kind in ("shared", "dedicated"):
             row = cell(kind, n, args, model, adapters, work)
             results.append(row)
             print(
                 f"{n:>2} {kind:<10} {row['trajectories_per_s']:>8.2f} {row['fairness']:>8.2f} "
-                f"{row['rss_mib']:>8.0f} {row['p50_s']:>7.3f}",
+                f"{row['rss_mib']:>8.0f} {row['gpu_mib']:>8.0f} {row['p50_s']:>7.3f}",
                 flush=True,
             )
     report: dict = {"cells": results, "args": {k: v for k, v in vars(args).items()}}
