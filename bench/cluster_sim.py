@@ -47,6 +47,8 @@ def _config(args: argparse.Namespace, **overrides: Any) -> ClusterSimConfig:
         max_tokens=args.max_tokens,
         seed=args.seed,
     )
+    if args.mfu is not None:
+        base["mfu"] = args.mfu
     base.update(overrides)
     return ClusterSimConfig(**base)
 
@@ -209,7 +211,10 @@ def main() -> None:
     # the start-up, when only short answers have finished (trained tokens/s 40% too high).
     parser.add_argument("--areal-steps", type=int, default=60)
     parser.add_argument("--group-size", type=int, default=8, help="answers per prompt (GRPO group)")
-    parser.add_argument("--model", default="1.5b", choices=["1.5b", "7b"])
+    parser.add_argument("--model", default="1.5b", choices=["1.5b", "7b", "1.5b-torch"])
+    parser.add_argument(
+        "--mfu", type=float, default=None, help="the trainer's fraction of peak (default: measured)"
+    )
     parser.add_argument("--min-tokens", type=int, default=1024)
     parser.add_argument("--max-tokens", type=int, default=32768)
     parser.add_argument("--agents", type=int, default=1000)

@@ -36,7 +36,7 @@ from rl_core.inference.client import IN_PROCESS_TRANSPORTS
 from rl_core.loop import ListReporter
 from rl_core.rollout import LocalRun
 from rl_core.sim.clock import run_simulated
-from rl_core.sim.cost import ENGINE_PRESETS, TrainerCost
+from rl_core.sim.cost import ENGINE_PRESETS, MEASURED_TRAINER_MFU, TrainerCost
 from rl_core.sim.server import SimServer
 from rl_core.sim.trainer import SimTrainer
 
@@ -61,7 +61,7 @@ class ClusterSimConfig:
     prompt_tokens: int = 256  # every prompt's length
     tokens_per_id: int = 16  # real tokens per simulated output id
     weight_sync: str = "distributed"  # "distributed" | "disk" | "lora"
-    mfu: float = 0.4  # the trainer's achieved fraction of peak FLOP/s
+    mfu: float = MEASURED_TRAINER_MFU  # the trainer's achieved fraction of peak FLOP/s
     seed: int = 0
 
     def __post_init__(self) -> None:

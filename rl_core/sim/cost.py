@@ -22,11 +22,27 @@ per prompt token. The defaults (``ENGINE_PRESETS``):
   measured: weights 3.1 GB (0.9 ms) so a step is launch-overhead bound (``base_s`` 3 ms),
   KV 28 KB per token, prefill from FLOPs. Calibrate on a GPU before trusting the absolute
   numbers; the async/sync ratios depend on the *shape* of the model (fixed step cost vs
-  per-sequence cost), which these keep.
+  per-sequence cost), which these keep. SGLang cannot run on the GPU machines lent to Steep's
+  sessions, so these two stay derived, not measured.
+- ``1.5b-torch`` (measured, 2026-11-27, one H200, ``bench/engine_step.py --model qwen2-1.5b
+  --device cuda --dtype bfloat16``): Steep's own torch engine on a GPU, for contrast. Its step
+  is bound by the host: 61 ms per step whatever the batch (transformers' per-module Python and
+  attention calls) and 4.8 ms per sequence (it samples on the CPU from per-request
+  generators, over a 151,936-token vocabulary), so a batch of 128 makes 189 tokens/s where
+  SGLang makes thousands: the reason a GPU deployment serves with SGLang.
 
 Training (``TrainerCost``): ``tokens * flops_per_token_factor * params / (gpus * peak *
-mfu)`` seconds per step (the issue's 6 x params FLOPs per token: forward + backward), and
-per update a weight sync: ``distributed`` broadcasts ``2 * params`` bytes at
+mfu)`` seconds per step (the issue's 6 x params FLOPs per token: forward + backward), with
+``mfu`` measured: Steep's trainer (``bench/train_step.py --model qwen2-1.5b --device cuda``,
+packed bf16, 16,384-token micro-batches, one H200) trains 15,904 tokens/s, which is
+``6 * 1.54e9 * 15,904 / 989e12`` = 0.15 of peak in this 6 x params accounting (its own MFU,
+20%, also counts the proximal-logprob forward and attention). Replaced 2026-11-27: ``mfu``
+0.4 (assumed) -> 0.15, ``disk_write_Bps`` 1.0 -> 0.63 GB/s and ``disk_read_Bps`` 1.5 -> 1.54
+GB/s (``bench/engine_step.py``'s round trip of a 0.72 GB bf16 weight file on that machine's
+local disk, twice: written with fsync at 0.62 and 0.64 GB/s, read onto the GPU at 1.58 and
+1.50 GB/s; the means). ``broadcast_Bps`` stays assumed: one GPU
+cannot measure a broadcast between two. Per update a weight sync: ``distributed`` broadcasts
+``2 * params`` bytes at
 ``broadcast_Bps`` (the servers are paused in place for it); ``disk`` saves them at
 ``disk_write_Bps`` and each server loads them at ``disk_read_Bps`` (paused meanwhile);
 ``lora`` saves and loads only the adapter (``lora_fraction`` of the weights) and pauses
@@ -87,7 +103,20 @@ def _engine(
 ENGINE_PRESETS: dict[str, EngineCost] = {
     "1.5b": _engine("1.5b", 1.54e9, 3.0e-3, 0.008e-3, 28_672),
     "7b": _engine("7b", 7.6e9, 6.5e-3, 0.030e-3, 57_344),
+    # Least squares over 7 measured (B, K) cells; prefill from B 32 x 1,024 prompt tokens
+    # (0.464 s, less 32 first samples at 4.8 ms).
+    "1.5b-torch": EngineCost(
+        name="1.5b-torch",
+        params=1.54e9,
+        base_s=61.2e-3,
+        per_seq_s=4.79e-3,
+        per_kv_token_s=3.0e-7,
+        prefill_per_token_s=9.5e-6,
+        max_running_requests=128,
+    ),
 }
+
+MEASURED_TRAINER_MFU = 0.15  # see the module docstring
 
 
 @dataclass(frozen=True)
@@ -96,12 +125,12 @@ class TrainerCost:
 
     params: float
     gpus: int = 1  # trainer stand-ins (data-parallel GPUs)
-    mfu: float = 0.4  # achieved fraction of peak FLOP/s
+    mfu: float = MEASURED_TRAINER_MFU  # achieved fraction of peak FLOP/s
     peak_flops: float = H100_BF16_FLOPS
     flops_per_token_factor: float = 6.0  # forward + backward = 6 x params per token
     broadcast_Bps: float = 20e9  # NCCL broadcast trainer -> servers (bytes/s)
-    disk_write_Bps: float = 1.0e9  # saving safetensors to shared storage
-    disk_read_Bps: float = 1.5e9  # a server loading them
+    disk_write_Bps: float = 0.63e9  # saving safetensors (measured, see the docstring)
+    disk_read_Bps: float = 1.54e9  # a server loading them onto its GPU (measured)
     lora_fraction: float = 0.01  # adapter size / weights size (rank ~32 on all linear layers)
 
     def step_seconds(self, tokens: int) -> float:
