@@ -36,9 +36,7 @@ from rl_core.hf import load_causal_lm
 from rl_core.inference.process import when_parent_exits
 from rl_core.rewards import RewardFn, load_reward_fn, score
 from rl_core.rollout import member_seed, row_messages, row_metadata
-from rl_core.sampling import outside_nucleus
-
-GREEDY_BELOW = 1e-6  # SGLang's epsilon: a lower temperature is greedy decoding
+from rl_core.sampling import SAMPLING_EPS, outside_nucleus
 
 
 def load_model(path: str | os.PathLike, device: torch.device) -> Any:
@@ -84,7 +82,7 @@ def sample(
     done = [False] * k
     for _ in range(max_new_tokens):
         logits = out.logits[:, -1].float()  # [k, V]
-        if temperature < GREEDY_BELOW:
+        if temperature < SAMPLING_EPS:  # greedy, as SGLang
             tokens = logits.argmax(-1)  # [k]
         else:
             probs = nucleus(torch.softmax(logits / temperature, dim=-1), top_p)
