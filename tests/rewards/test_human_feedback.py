@@ -266,6 +266,26 @@ def test_the_run_page_shows_what_rewards_are_owed(member_client, project, human_
     assert "Open the review queue" in page
 
 
+def test_the_rewards_panel_refreshes_itself_while_the_run_is_active(
+    member_client, project, human_run, waiting, make_agent, make_session
+):
+    url = f"/projects/{project.id}/runs/{human_run.id}/"
+    Run.objects.filter(pk=human_run.pk).update(status=Run.Status.RUNNING)
+    page = member_client.get(url).content.decode()
+    assert f'hx-get="{url}?panel=rewards"' in page
+    # Another session ends unrewarded: the panel's next poll counts it, and is only the panel.
+    agent = make_agent(project=project, run=human_run)
+    session = make_session(agent, QUESTION, trajectory=T.UNREWARDED)
+    Session.objects.filter(pk=session.pk).update(ended_at=timezone.now())
+    rewards_tick()
+    panel = member_client.get(f"{url}?panel=rewards", HTTP_HX_REQUEST="true").content.decode()
+    assert panel.startswith('<section class="card" id="run-rewards"')
+    assert 'id="rewards-pending">2<' in panel and 'id="run-status"' not in panel
+    # A finished run's panel stands still.
+    Run.objects.filter(pk=human_run.pk).update(status=Run.Status.COMPLETED)
+    assert "?panel=rewards" not in member_client.get(url).content.decode()
+
+
 def test_feedback_on_an_expired_unrewarded_session_is_kept_but_not_applied(
     api, make_agent, make_session, project
 ):

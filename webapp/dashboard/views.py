@@ -300,6 +300,9 @@ def run_detail(request, project_id, run_id):
             step=run.step, max_steps=max_steps, status=run.status, step_times=step_times
         ),
     }
+    if _wants_fragment(request) and request.GET.get("panel") == "rewards":  # polled, as below
+        context["rewards"] = reward_summary(run=run)
+        return render(request, "dashboard/_rewards_panel.html", context)
     if _wants_fragment(request):  # the polled status line: no chart data
         return render(request, "dashboard/_run_status.html", context)
     stride = charts.chart_stride(run.step)
