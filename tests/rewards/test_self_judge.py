@@ -98,3 +98,36 @@ def test_a_self_judged_run_waits_for_its_server_then_its_own_model_scores_it(
     assert rewards == {"4": 1.0, "5": 0.0}
     assert set(Session.objects.filter(pk__in=ids).values_list("trajectory", flat=True)) == {T.READY}
     assert sum(JudgeCall.objects.filter(run=run).values_list("completion_tokens", flat=True)) > 0
+
+
+def test_a_self_judge_asks_the_runs_next_server_when_one_is_down(
+    project, make_dataset, make_run, tokenizer_dir, engine
+):
+    from rl_core.inference.process import free_ports
+
+    url, seen = engine
+    run = make_run(
+        project,
+        dataset=make_dataset(project),
+        base_model=str(tokenizer_dir),
+        reward={"type": "judge", "judge": "self", "rubric": "1 if the answer is 4, else 0."},
+        group_size=1,
+    )
+    (dead_port,) = free_ports(1)  # nothing listens there: refused at once
+    dead = InferenceServer.objects.create(run=run, url=f"http://127.0.0.1:{dead_port}")
+    InferenceServer.objects.create(run=run, url=url, backend="sglang")
+    ids = job_submit_episodes(run=run, episodes=[_episode("4")])
+
+    counts = rewards_tick()
+
+    assert counts["scored"] == 1 and len(seen) == 1  # the second server answered
+    assert Interaction.objects.get(session_id=ids[0]).reward == 1.0
+    # With every server down the call is an outage that waits, naming each server's failure.
+    InferenceServer.objects.exclude(pk=dead.pk).update(url=f"http://127.0.0.1:{dead_port}/b")
+    InferenceServer.objects.filter(pk=dead.pk).update(url=f"http://127.0.0.1:{dead_port}/a")
+    (other,) = job_submit_episodes(run=run, episodes=[_episode("5")])
+    rewards_tick()
+    request = RewardRequest.objects.get(session_id=other)
+    assert request.state == RewardRequest.State.PENDING
+    assert "no inference server of the run answered" in request.reason
+    assert request.reason.count("is unreachable") == 2

@@ -158,10 +158,11 @@ def parse_verdict(text: str, n: int, relative: bool) -> Verdict:
 
 @dataclasses.dataclass
 class SelfJudge:
-    """The run's own model as the judge: one of its inference servers (SGLang's ``/generate``)
-    and its base model's chat tokenizer. No ``lora_path``: a LoRA run's base weights answer."""
+    """The run's own model as the judge: its healthy inference servers (SGLang's ``/generate``),
+    asked in order until one answers, and its base model's chat tokenizer. No ``lora_path``: a
+    LoRA run's base weights answer."""
 
-    server_url: str
+    server_urls: list[str]
     tokenizer: Any  # rl_core.chat.ChatTokenizer
 
 
@@ -201,18 +202,23 @@ def _ask_self(judge_: SelfJudge, spec: dict, messages: list[dict]) -> tuple[str,
             "temperature": 0.0,
         },
     }
-    try:
-        response = httpx.post(
-            f"{judge_.server_url.rstrip('/')}/generate",
-            json=body,
-            timeout=float(reward_setting(spec, "timeout_s")),
-        )
-    except httpx.HTTPError as exc:
-        raise _Outage(f"the run's inference server is unreachable: {exc}") from None
-    if response.status_code != 200:
-        raise _Outage(f"the run's inference server answered HTTP {response.status_code}")
-    output_ids = response.json().get("output_ids") or []
-    return judge_.tokenizer.decode(output_ids), len(input_ids), len(output_ids)
+    failures = []
+    for url in judge_.server_urls:  # the next server when one is down or refuses
+        try:
+            response = httpx.post(
+                f"{url.rstrip('/')}/generate",
+                json=body,
+                timeout=float(reward_setting(spec, "timeout_s")),
+            )
+        except httpx.HTTPError as exc:
+            failures.append(f"{url} is unreachable: {exc}")
+            continue
+        if response.status_code != 200:
+            failures.append(f"{url} answered HTTP {response.status_code}")
+            continue
+        output_ids = response.json().get("output_ids") or []
+        return judge_.tokenizer.decode(output_ids), len(input_ids), len(output_ids)
+    raise _Outage("no inference server of the run answered: " + "; ".join(failures))
 
 
 def judge_answers(

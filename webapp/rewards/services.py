@@ -244,13 +244,12 @@ _TOKENIZERS: dict[str, Any] = {}  # base model → its chat tokenizer, loaded on
 def _self_judge(run) -> tuple[judge.SelfJudge, str]:
     """The run's own model as its judge, and what names it in the cache: a LoRA run's base
     weights never change; a full-weight run's servers hold the policy of its version."""
-    url = (
+    urls = list(
         InferenceServer.objects.filter(run=run, healthy=True)
         .order_by("pk")
         .values_list("url", flat=True)
-        .first()
     )
-    if url is None:
+    if not urls:
         raise judge.Unavailable("the run has no inference server up to judge with")
     tokenizer = _TOKENIZERS.get(run.base_model)
     if tokenizer is None:
@@ -262,7 +261,7 @@ def _self_judge(run) -> tuple[judge.SelfJudge, str]:
             ) from None
     lora = (run.config or {}).get("lora_rank")
     judge_id = f"self:{run.id}:{run.base_model}" + ("" if lora else f":v{run.weight_version}")
-    return judge.SelfJudge(url, tokenizer), judge_id
+    return judge.SelfJudge(urls, tokenizer), judge_id
 
 
 def _apply(unit, turns, scores: list[float], reasons: list[str], now: datetime) -> None:
