@@ -50,6 +50,23 @@ def hit(bucket: str, *, limit: int) -> Limited | None:
     return Limited(limit=limit, retry_after=max(1, math.ceil(ttl)))
 
 
+def tally(bucket: str) -> None:
+    """Count one event in ``bucket``'s window, with no limit (``peek`` reads it back)."""
+    (_redis_hit if settings.REDIS_URL else _local_hit)(bucket)
+
+
+def peek(bucket: str) -> int:
+    """Events counted in ``bucket``'s open window (0 when none is open, or Redis is down)."""
+    if not settings.REDIS_URL:
+        with _lock:
+            count, ends = _windows.get(bucket, (0, 0.0))
+        return count if ends > time.monotonic() else 0
+    try:
+        return int(_client(settings.REDIS_URL).get(_PREFIX + bucket) or 0)
+    except Exception:  # noqa: BLE001 (a dashboard figure: missing, not an error page)
+        return 0
+
+
 # --- Redis ----------------------------------------------------------------------------------
 
 

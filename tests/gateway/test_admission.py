@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import httpx
 import pytest
 from openai import RateLimitError
 
@@ -70,3 +71,21 @@ def test_max_concurrent_rollouts_caps_open_sessions(make_gateway, project, api_k
     gw.start_session()
     openai_error(gw.post("/rl/start_session"), 429)
     assert Session.objects.count() == 2
+
+
+def test_the_run_page_says_how_many_sessions_the_budget_refused(
+    sync_gw, openai_error, gateway_url, client, owner
+):
+    gw = sync_gw
+    gw.start_session()
+    for _ in range(3):
+        openai_error(gw.post("/rl/start_session"), 429)
+    client.force_login(owner)  # the session row is committed: the live server sees it
+    page = httpx.get(
+        f"{gateway_url}/projects/{gw.run.project_id}/runs/{gw.run.id}/",
+        cookies={"sessionid": client.cookies["sessionid"].value},
+    ).text
+    admission = page.split('id="run-admission">', 1)[1].split("</p>", 1)[0]
+    assert "<b>0</b> free session slots · 1 open" in admission
+    assert "<b>3</b> sessions refused this minute (429, staleness budget full)" in admission
+    assert "batch_size ≥ 1.25 × N ÷ max_staleness" in admission

@@ -44,6 +44,7 @@ from webapp.datasets.services import (
 )
 from webapp.gateway.models import Session
 from webapp.gateway.selectors import (
+    admission_state,
     interaction_list,
     session_count,
     session_get,
@@ -296,6 +297,7 @@ def run_detail(request, project_id, run_id):
         "events": run_event_list(run=run)[:30],
         "ledger": run_ledger(run),
         "restart": run_last_restart(run=run),
+        "admission": admission_state(run),
         "progress": charts.progress(
             step=run.step, max_steps=max_steps, status=run.status, step_times=step_times
         ),

@@ -45,6 +45,11 @@ def budget(config: dict) -> tuple[int, int, int]:
     return StalenessBudget.from_config(config)
 
 
+def refused_bucket(run_id) -> str:
+    """The ``webapp.ratelimit`` window counting a run's 429s for a full staleness budget."""
+    return f"refused:{run_id}"
+
+
 def admit(cursor, *, run_id, config: dict) -> bool:
     """Open one rollout slot on a running run if its staleness budget allows (and, for a run
     on a shared pool, the pool's ``max_sessions_per_run``); True when admitted."""

@@ -10,9 +10,10 @@ from django.http import Http404
 from django.utils import timezone
 
 from rl_core.types import Trajectory
+from webapp import ratelimit
 from webapp.accounts.models import Project
 from webapp.accounts.selectors import parse_uuid
-from webapp.gateway import branches
+from webapp.gateway import admission, branches
 from webapp.gateway.models import InferenceServer, Interaction, Session
 from webapp.runs.models import Run
 
@@ -225,3 +226,20 @@ def trajectories_export(
                 "status": session.status,
                 "trajectory": session.trajectory,
             }
+
+
+def admission_state(run: Run) -> dict | None:
+    """What the run page says about staleness admission: free session slots, and the 429s
+    of the current minute (``webapp.ratelimit`` counts them); None for a run that is not an
+    online run serving agents."""
+    if run.mode != Run.Mode.ONLINE or run.status != Run.Status.RUNNING:
+        return None
+    max_staleness, batch_size, _ = admission.budget(run.config or {})
+    cap = (max_staleness + run.weight_version + 1) * batch_size
+    return {
+        "free": max(0, cap - run.sessions_open - run.sessions_accepted),
+        "open": run.sessions_open,
+        "max_staleness": max_staleness,
+        "batch_size": batch_size,
+        "refused": ratelimit.peek(admission.refused_bucket(run.id)),
+    }

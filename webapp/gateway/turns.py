@@ -277,6 +277,7 @@ def budget_full(cursor, run: RunInfo) -> GatewayError:
             retry_after=settings.GATEWAY_RETRY_AFTER_S,
         )
     max_staleness, _, _ = admission.budget(run.config)
+    ratelimit.tally(admission.refused_bucket(run.id))  # the run page says agents back off
     return GatewayError(
         429,
         f"The run's staleness budget is full ({accepted} accepted + {running} running episodes "
