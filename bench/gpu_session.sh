@@ -27,12 +27,14 @@ if [ -n "${SMOKE:-}" ]; then
   pool="--runs 1,2 --clients 2 --duration 2 --warmup 1 --flood 2 --flood-batch 2 --max-new-tokens 8"
   step="--batches 1,4 --prompts 16,64 --steps 4"
   prof="--batches 4 --prompts 12 --steps 8"
+  pool4="--runs 2 --clients 2 --duration 2 --warmup 1 --flood 0 --max-new-tokens 8"
   tokens=2048
 else
   dev=cuda dtype=bfloat16 big=qwen2-1.5b mid=qwen2-0.5b cores=0-15
   pool="--runs 1,4 --clients 16 --batch 128 --duration 12 --warmup 6 --flood 32 --flood-batch 32 --max-new-tokens 32"
   step="--batches 1,8,32,128 --prompts 128,1024 --steps 32"
   prof="--batches 64 --prompts 12 --steps 32"
+  pool4="--runs 4 --clients 16 --batch 128 --duration 12 --warmup 6 --flood 0 --max-new-tokens 32"
   tokens=16384
 fi
 {
@@ -58,6 +60,11 @@ echo "== shared pool vs dedicated engines ($mid body, the tiny tokenizer's vocab
 timeout 240 $py bench/pool.py --model "$mid" --vocab 260 --device $dev --dtype $dtype \
   --cores $cores $pool --out /tmp/steep-gpu-pool.json 2>&1 | grep -v "Loading weights\|warn" \
   | tail -20 | tee "$out/pool.txt"
+
+echo "== the same 4 runs, SDPA's cuDNN backend off in every engine"
+timeout 120 $py bench/pool.py --model "$mid" --vocab 260 --device $dev --dtype $dtype \
+  --cores $cores $pool4 --no-cudnn-attention --out /tmp/steep-gpu-pool-nocudnn.json 2>&1 \
+  | grep -v "Loading weights\|warn" | tail -6 | tee -a "$out/pool.txt"
 
 echo "== torch engine decode step ($big)"
 timeout 110 $py bench/engine_step.py --model "$big" --device $dev --dtype $dtype $step \

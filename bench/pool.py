@@ -115,6 +115,7 @@ def engine(args, model: Path, n_adapters: int, logs: Path, name: str, batch: int
         max_loras_per_batch=max(1, n_adapters),
         max_running_requests=batch,
         log_path=logs / f"{name}.log",
+        extra_args=["--no-cudnn-attention"] if args.no_cudnn_attention else [],
     )
 
 
@@ -262,6 +263,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="float32", help="the engines' --dtype (bfloat16)")
     parser.add_argument(
         "--batch", type=int, default=64, help="--max-running-requests of the N-run engines"
+    )
+    parser.add_argument(
+        "--no-cudnn-attention", action="store_true", help="the engines' flag of that name (CUDA)"
     )
     parser.add_argument("--runs", default="1,2,4")
     parser.add_argument("--clients", type=int, default=4, help="agents per run")

@@ -65,6 +65,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=["auto", *_DTYPES], default="float32")
     parser.add_argument("--device", default="cpu")
     parser.add_argument(
+        "--no-cudnn-attention",
+        action="store_true",
+        help="Turn off the cuDNN backend of PyTorch's scaled_dot_product_attention (CUDA): on "
+        "an H200 a decode step's attention calls held 1.5-3.5 ms of host time each, a lead to "
+        "cuDNN building a graph per new KV length (docs/benchmarks.md, 'On a GPU').",
+    )
+    parser.add_argument(
         "--num-threads",
         type=int,
         default=int(os.environ.get("STEEP_TORCH_THREADS", "0")) or None,
@@ -129,6 +136,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
+    if args.no_cudnn_attention:
+        torch.backends.cuda.enable_cudnn_sdp(False)
     if args.random_seed is not None:
         random.seed(args.random_seed)
     from transformers import AutoTokenizer
