@@ -8,6 +8,8 @@ transformers and peft (no Django, no Ray), so they need neither conftest:
 - the trainer's packed attention on CUDA in bf16 autocast takes PyTorch's varlen flash kernel
   (``torch.nn.attention.varlen``) where this torch has one that serves grouped-query attention,
   and gives one-sequence-at-a-time logprobs and gradients either way;
+- weights read from disk (``update_weights_from_disk``'s staged path) land on the device and
+  the next answers are theirs;
 - the torch engine on CUDA (batched right-padded prefill, the padded KV cache, per-row
   sampling on the CPU) reports the logprobs a CPU float32 forward gives for its tokens;
 - a batch mixing two LoRA adapters and the base model on CUDA (the rank-stacked adapter
@@ -212,3 +214,36 @@ def test_a_batch_mixing_two_adapters_and_the_base_model_on_cuda_matches_peft(tin
         output = results[rid]["output_ids"]
         expected = _cpu_logprobs(tiny, adapters[name] if name else None, PROMPTS[0], output)
         torch.testing.assert_close(_logprobs(results[rid]), expected, atol=2e-3, rtol=0)
+
+
+def test_weights_read_from_disk_are_installed_on_the_device_and_served(tiny, tmp_path):
+    """``update_weights_from_disk``'s staged path: safetensors read into fresh memory like
+    the served model's (on the device), swapped in by pointer; the next answers are the new
+    weights' (a CPU float32 forward of the saved model)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rl_core.inference.torch_engine.engine import TorchEngine, load_model
+    from rl_core.inference.torch_engine.weight_load import read_staged
+
+    torch.manual_seed(7)
+    update = AutoModelForCausalLM.from_pretrained(str(tiny), dtype=torch.float32)
+    with torch.no_grad():
+        for param in update.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+    update.save_pretrained(str(tmp_path / "v1"))
+    model = load_model(str(tiny), device=DEVICE)
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny))
+    engine = TorchEngine(model, tokenizer, model_path=str(tiny))
+    staged = read_staged(str(tmp_path / "v1"), engine.model)
+    assert all(t.device.type == torch.device(DEVICE).type for t in staged.values())
+    engine.install_weights(staged, "1", str(tmp_path / "v1"))
+    body = {
+        "input_ids": PROMPTS[0],
+        "sampling_params": {"max_new_tokens": 8, "temperature": 1.0, "sampling_seed": 5},
+    }
+    result = _serve(engine, tokenizer, {"r": body})["r"]
+    assert result["meta_info"]["weight_version"] == "1"
+    expected = _cpu_logprobs(tmp_path / "v1", None, PROMPTS[0], result["output_ids"])
+    old = _cpu_logprobs(tiny, None, PROMPTS[0], result["output_ids"])
+    torch.testing.assert_close(_logprobs(result), expected, atol=2e-3, rtol=0)
+    assert (old - expected).abs().max() > 0.01  # the update mattered
