@@ -212,6 +212,30 @@ def test_the_run_page_has_the_ledger_line(member_client, run):
     assert f"/api/v1/runs/{run.id}/ledger/?project={run.project_id}" in html
 
 
+def test_a_costly_ledger_is_kept_for_the_polled_page_and_says_as_of_when(
+    member_client, api, run, monkeypatch
+):
+    from django.core.cache import cache
+
+    from webapp.runs import ledger
+
+    submit(run, 3)
+    assert "as of" not in page(member_client, run)  # cheap: computed at every poll
+    monkeypatch.setattr(ledger, "CACHE_ABOVE_S", 0.0)  # as if it cost enough to keep
+    monkeypatch.setattr(ledger, "CACHE_COST_FACTOR", 1e6)
+    try:
+        first = page(member_client, run)
+        submit(run, 2, row=1, group="h")  # two more accepted: the kept line does not see them
+        kept = page(member_client, run)
+        assert "Trajectories: <b>3</b> accepted" in first and "(as of " in first
+        assert "Trajectories: <b>3</b> accepted" in kept
+        url = f"/api/v1/runs/{run.id}/ledger/"
+        assert api.get(url).json()["accepted"] == 5  # the REST ledger is always computed
+    finally:
+        cache.clear()
+    assert "Trajectories: <b>5</b> accepted" in page(member_client, run)
+
+
 def test_the_ledger_link_works_in_the_browser(member_client, run):
     response = member_client.get(f"/api/v1/runs/{run.id}/ledger/?project={run.project_id}")
     assert response.status_code == 200 and response.json()["balanced"] is True

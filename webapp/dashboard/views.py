@@ -54,7 +54,7 @@ from webapp.gateway.selectors import (
 from webapp.pools.selectors import pool_list
 from webapp.rewards.secrets import redact_config
 from webapp.rewards.selectors import reward_summary, session_feedback
-from webapp.runs.ledger import run_ledger
+from webapp.runs.ledger import run_ledger_for_page
 from webapp.runs.selectors import (
     checkpoint_for_step,
     checkpoint_get,
@@ -295,7 +295,7 @@ def run_detail(request, project_id, run_id):
         "tab": "runs",
         "run": run,
         "events": run_event_list(run=run)[:30],
-        "ledger": run_ledger(run),
+        "ledger": run_ledger_for_page(run),
         "restart": run_last_restart(run=run),
         "admission": admission_state(run),
         "progress": charts.progress(

@@ -20,12 +20,21 @@ training records agree with the states (``trained_records == trained``). ``accep
 counted on its own (sessions neither open nor unrewarded), so a session in a state the
 ledger does not know, a record without its move or a move without its record unbalances it.
 Counts are read in one transaction; on a live run they are a moment's picture.
+
+The run page polls its status line every 3 s; ``run_ledger_for_page`` serves it a ledger at
+most about ten times its own cost old (0.4 s for 100,000 trained sessions on SQLite: one
+ledger every 4 s at most, per web process) and says as of when. A cheap ledger (under 50 ms)
+is always fresh; the REST ledger is always computed.
 """
 
 from __future__ import annotations
 
+import time
+
+from django.core.cache import cache
 from django.db import transaction
 from django.db.models import Count
+from django.utils import timezone
 
 from webapp.gateway.lifecycle import DROP_STALE
 from webapp.gateway.models import Session, TrainingRecord
@@ -38,6 +47,26 @@ def run_ledger(run: Run) -> dict:
     """The run's ledger as JSON-ready data (keys as in the module docstring)."""
     with transaction.atomic():
         return _ledger(run)
+
+
+CACHE_ABOVE_S = 0.05  # a ledger cheaper than this is recomputed at every poll
+CACHE_COST_FACTOR = 10  # else it is kept for this many times what it cost
+
+
+def run_ledger_for_page(run: Run) -> dict:
+    """``run_ledger`` for the run page's polled status line (see the module docstring): a
+    kept one carries ``as_of``, the time it was read."""
+    key = f"steep:ledger:{run.id}"
+    kept = cache.get(key)
+    if kept is not None:
+        return kept
+    started = time.perf_counter()
+    ledger = run_ledger(run)
+    cost = time.perf_counter() - started
+    if cost >= CACHE_ABOVE_S:
+        ledger["as_of"] = timezone.now()
+        cache.set(key, ledger, timeout=CACHE_COST_FACTOR * cost)
+    return ledger
 
 
 def _ledger(run: Run) -> dict:
