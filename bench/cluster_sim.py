@@ -49,6 +49,7 @@ def _config(args: argparse.Namespace, **overrides: Any) -> ClusterSimConfig:
     )
     if args.mfu is not None:
         base["mfu"] = args.mfu
+    base["max_queued_batches"] = args.max_queued_batches
     base.update(overrides)
     return ClusterSimConfig(**base)
 
@@ -214,6 +215,9 @@ def main() -> None:
     parser.add_argument("--model", default="1.5b", choices=["1.5b", "7b", "1.5b-torch"])
     parser.add_argument(
         "--mfu", type=float, default=None, help="the trainer's fraction of peak (default: measured)"
+    )
+    parser.add_argument(
+        "--max-queued-batches", type=int, default=0, help="RunConfig's setting (0: no cap)"
     )
     parser.add_argument("--min-tokens", type=int, default=1024)
     parser.add_argument("--max-tokens", type=int, default=32768)

@@ -82,6 +82,13 @@ class RunConfig:
     max_concurrent_rollouts: int = _f(
         0, "Upper bound on rollouts in flight (0 = no extra cap beyond staleness).", min=0
     )
+    max_queued_batches: int = _f(
+        0,
+        "Batches of finished trajectories that may wait for the trainer beside the one it "
+        "trains (0 = no cap beyond staleness). 1 stops generation running ahead of a slower "
+        "trainer: what it would generate ahead waits in the queue, ages, and is masked as stale.",
+        min=0,
+    )
     max_steps: int = _f(100, "Training steps before the run completes.", min=1)
     max_new_tokens: int = _f(256, "Tokens generated per answer in dataset mode.", min=1)
     temperature: float = _f(1.0, "Sampling temperature for dataset-mode rollouts.", min=0.0)

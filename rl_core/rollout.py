@@ -501,6 +501,7 @@ class LocalRun:
             cfg.max_staleness,
             cfg.batch_size,
             cfg.max_concurrent_rollouts,
+            cfg.max_queued_batches,
             version=resumed.version if resumed else 0,
         )
         self.source = source or QueueSource()

@@ -34,6 +34,7 @@ class StalenessBudget(NamedTuple):
     max_staleness: int
     batch_size: int
     max_concurrent_rollouts: int  # 0: no cap beyond the staleness budget
+    max_queued_batches: int  # 0: no cap on finished, untrained trajectories beyond it
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> StalenessBudget:
@@ -61,7 +62,11 @@ class StalenessController:
     only then does the next one start (Fu et al. 2025, "AReaL: A Large-Scale
     Asynchronous Reinforcement Learning System for Language Reasoning").
 
-    ``max_concurrent_rollouts > 0`` additionally caps ``running``.
+    ``max_concurrent_rollouts > 0`` additionally caps ``running``; ``max_queued_batches = k > 0``
+    admits only while ``accepted < (version + 1 + k) * batch_size``: at most ``k`` batches of
+    finished trajectories wait beside the one in training. Where the trainer is the slower
+    side, AReaL's rule alone lets ``max_staleness`` batches pile up finished, and whatever is
+    generated behind them is trained ``max_staleness`` versions later, much of it masked.
     ``StalenessController(*StalenessBudget.from_config(config))`` builds one from a stored config.
     """
 
@@ -70,15 +75,18 @@ class StalenessController:
         max_staleness: int,
         batch_size: int,
         max_concurrent_rollouts: int = 0,
+        max_queued_batches: int = 0,
         version: int = 0,
     ):
-        if max_staleness < 0 or batch_size < 1 or max_concurrent_rollouts < 0:
+        if min(max_staleness, max_concurrent_rollouts, max_queued_batches) < 0 or batch_size < 1:
             raise ValueError(
-                "need max_staleness >= 0, batch_size >= 1 and max_concurrent_rollouts >= 0"
+                "need batch_size >= 1 and max_staleness, max_concurrent_rollouts and "
+                "max_queued_batches >= 0"
             )
         self.max_staleness = max_staleness
         self.batch_size = batch_size
         self.max_concurrent_rollouts = max_concurrent_rollouts
+        self.max_queued_batches = max_queued_batches
         self._lock = threading.Lock()
         self.version = version
         self.accepted = (
@@ -96,6 +104,7 @@ class StalenessController:
             accepted=self.accepted,
             running=self.running,
             max_concurrent_rollouts=self.max_concurrent_rollouts,
+            max_queued_batches=self.max_queued_batches,
         )
 
     def capacity(self) -> int:
@@ -244,10 +253,12 @@ def free_capacity(
     accepted: int,
     running: int,
     max_concurrent_rollouts: int = 0,
+    max_queued_batches: int = 0,
 ) -> int:
     """Rollouts that may still start: ``(max_staleness + version + 1) * batch_size - accepted - running``,
     also capped by ``max_concurrent_rollouts - running`` when that is set (AReaL's admission rule),
-    and never below 0.
+    and by ``(version + 1 + max_queued_batches) * batch_size - accepted`` when that is set (at
+    most that many batches finished and waiting beside the one in training), never below 0.
 
     ``StalenessController`` admits while this is positive. The web gateway does not call
     it: it applies the same rule in SQL (``webapp.gateway.admission.admit``), and
@@ -256,4 +267,6 @@ def free_capacity(
     free = (max_staleness + version + 1) * batch_size - accepted - running
     if max_concurrent_rollouts:
         free = min(free, max_concurrent_rollouts - running)
+    if max_queued_batches:
+        free = min(free, (version + 1 + max_queued_batches) * batch_size - accepted)
     return max(free, 0)

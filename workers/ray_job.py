@@ -175,6 +175,7 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
                 config.max_staleness,
                 config.batch_size,
                 config.max_concurrent_rollouts,
+                config.max_queued_batches,
                 version=trainer.version,
             )
             if config.mode == "dataset"

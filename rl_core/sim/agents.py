@@ -33,7 +33,7 @@ from rl_core.sim.cluster import ClusterSimConfig, SimTimesReporter
 from rl_core.sim.cost import ENGINE_PRESETS
 from rl_core.sim.server import SimServer
 from rl_core.sim.trainer import SimTrainer
-from rl_core.staleness import StalenessController
+from rl_core.staleness import StalenessBudget, StalenessController
 from rl_core.types import PROMPT_VERSION, Trajectory
 from rl_core.weight_sync import WeightSync
 
@@ -96,7 +96,7 @@ async def _agents(cluster: ClusterSimConfig, agents: AgentSimConfig, work: str) 
             "seed": cluster.seed,
         }
     )
-    controller = StalenessController(cfg.max_staleness, cfg.batch_size, cfg.max_concurrent_rollouts)
+    controller = StalenessController(*StalenessBudget.from_config(cfg.to_dict()))
     source = QueueSource()
     trainer = SimTrainer(trainer_cost, tokens_per_id=g)
     reporter = SimTimesReporter()

@@ -62,6 +62,7 @@ class ClusterSimConfig:
     tokens_per_id: int = 16  # real tokens per simulated output id
     weight_sync: str = "distributed"  # "distributed" | "disk" | "lora"
     mfu: float = MEASURED_TRAINER_MFU  # the trainer's achieved fraction of peak FLOP/s
+    max_queued_batches: int = 0  # RunConfig's: finished batches that may wait for the trainer
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -351,6 +352,7 @@ async def _simulate(cfg: ClusterSimConfig, work: str) -> ClusterSimResult:
             "group_size": cfg.group_size,
             "max_new_tokens": -(-cfg.max_tokens // g),
             "max_staleness": cfg.max_staleness,
+            "max_queued_batches": cfg.max_queued_batches,
             "max_steps": cfg.steps,
             "save_every": 10**6,
             "seed": cfg.seed,

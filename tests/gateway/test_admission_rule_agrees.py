@@ -45,6 +45,11 @@ CASES = {
         1,
         1,
     ),
+    "queue-cap-room": ({"max_queued_batches": 1}, 0, 15, 4),
+    "queue-cap-full": ({"max_queued_batches": 1}, 0, 16, 4),
+    "queue-cap-next-version": ({"max_queued_batches": 1}, 1, 16, 4),
+    "queue-cap-above-budget": ({"max_staleness": 1, "max_queued_batches": 3}, 0, 8, 7),
+    "queue-cap-zero-is-no-cap": ({"max_queued_batches": 0}, 0, 30, 9),
     "late-version": ({"max_staleness": 2, "batch_size": 3}, 7, 29, 0),
     "late-version-full": ({"max_staleness": 2, "batch_size": 3}, 7, 29, 1),
 }
@@ -86,17 +91,19 @@ def test_sql_admission_and_the_controller_agree(run, config, version, accepted, 
 
 
 def test_both_fill_exactly_the_budget_around_every_boundary(run):
-    for max_staleness, batch_size, cap, version in itertools.product(
-        (0, 1, 3), (1, 2, 5), (0, None, 1, 4), (0, 2)
+    for max_staleness, batch_size, cap, queued, version in itertools.product(
+        (0, 1, 3), (1, 2, 5), (0, None, 1, 4), (0, 1), (0, 2)
     ):
         config = {
             "max_staleness": max_staleness,
             "batch_size": batch_size,
             "max_concurrent_rollouts": cap,
+            "max_queued_batches": queued,
         }
         slots = (max_staleness + version + 1) * batch_size
+        queue = (version + 1 + queued) * batch_size  # where the queue cap binds on accepted
         for used in (slots - 2, slots - 1, slots, slots + 1):
-            for running in {0, 1, (cap or 1) - 1, cap or 0, used}:
+            for running in {0, 1, (cap or 1) - 1, cap or 0, used, used - queue, used - queue + 1}:
                 accepted = used - running
                 if accepted < 0 or running < 0:
                     continue
@@ -112,9 +119,11 @@ def test_budget_defaults_come_from_run_config():
         default.max_staleness,
         default.batch_size,
         default.max_concurrent_rollouts,
+        default.max_queued_batches,
     )
     assert admission.budget({"max_staleness": 0, "batch_size": 3}) == (
         0,
         3,
         default.max_concurrent_rollouts,
+        default.max_queued_batches,
     )

@@ -58,6 +58,20 @@ def test_max_concurrent_rollouts_caps_running():
     assert ctrl.try_admit()
 
 
+def test_max_queued_batches_stops_generation_running_ahead_of_a_slow_trainer():
+    ctrl = StalenessController(max_staleness=4, batch_size=4, max_queued_batches=1)
+    assert ctrl.capacity() == 8  # AReaL's rule alone: 20 slots; the batch in training + 1 more
+    for _ in range(8):
+        assert ctrl.try_admit()
+        ctrl.on_finish(accepted=True)  # finished at once: the trainer is the slow side
+    assert ctrl.capacity() == 0 and not ctrl.try_admit()
+    ctrl.on_version(1)  # one batch trained: one more may queue
+    assert ctrl.capacity() == 4
+    unbounded = StalenessController(max_staleness=4, batch_size=4)
+    unbounded.accepted = 8
+    assert unbounded.capacity() == 12  # the cap is off by default
+
+
 def test_resumed_controller_counts_the_trained_batches():
     ctrl = StalenessController(max_staleness=0, batch_size=2, version=5)
     assert ctrl.capacity() == 2

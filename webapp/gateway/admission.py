@@ -7,7 +7,8 @@ increments ``sessions_open`` only while::
 
     sessions_open + sessions_accepted < (max_staleness + weight_version + 1) * batch_size
 
-(and ``sessions_open < max_concurrent_rollouts`` when that is set), so two web processes
+(and ``sessions_open < max_concurrent_rollouts``, ``sessions_accepted < (weight_version + 1 +
+max_queued_batches) * batch_size`` when those are set), so two web processes
 can never both take the last slot, and admission costs the same however many sessions
 the run has. Every other change of the counters is a session changing state, made by
 ``webapp.gateway.lifecycle``; ``refresh`` recomputes them from the sessions, which the
@@ -40,8 +41,9 @@ def run_pk(cursor, run_id):
     return Run._meta.pk.get_db_prep_value(run_id, cursor.db)
 
 
-def budget(config: dict) -> tuple[int, int, int]:
-    """``(max_staleness, batch_size, max_concurrent_rollouts)`` of a run config, with RunConfig's defaults."""
+def budget(config: dict) -> StalenessBudget:
+    """``(max_staleness, batch_size, max_concurrent_rollouts, max_queued_batches)`` of a run
+    config, with RunConfig's defaults."""
     return StalenessBudget.from_config(config)
 
 
@@ -53,8 +55,9 @@ def refused_bucket(run_id) -> str:
 def admit(cursor, *, run_id, config: dict) -> bool:
     """Open one rollout slot on a running run if its staleness budget allows (and, for a run
     on a shared pool, the pool's ``max_sessions_per_run``); True when admitted."""
-    max_staleness, batch_size, max_concurrent = budget(config)
+    max_staleness, batch_size, max_concurrent, queued = budget(config)
     params = [run_pk(cursor, run_id), max_staleness, batch_size, max_concurrent, max_concurrent]
+    params += [queued, queued, batch_size]
     pool_clause = ""
     if pool := config.get("inference_pool"):
         # 0 (no limit) becomes NULL, and then a bound the count is always under.
@@ -68,7 +71,8 @@ def admit(cursor, *, run_id, config: dict) -> bool:
         f"UPDATE {RUN_TABLE} SET sessions_open = sessions_open + 1"
         " WHERE id = %s AND status = 'running'"
         " AND sessions_open + sessions_accepted < (%s + weight_version + 1) * %s"
-        " AND (%s = 0 OR sessions_open < %s)" + pool_clause,
+        " AND (%s = 0 OR sessions_open < %s)"
+        " AND (%s = 0 OR sessions_accepted < (weight_version + 1 + %s) * %s)" + pool_clause,
         params,
     )
     return admitted == 1

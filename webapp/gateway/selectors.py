@@ -234,7 +234,7 @@ def admission_state(run: Run) -> dict | None:
     online run serving agents."""
     if run.mode != Run.Mode.ONLINE or run.status != Run.Status.RUNNING:
         return None
-    max_staleness, batch_size, _ = admission.budget(run.config or {})
+    max_staleness, batch_size, *_ = admission.budget(run.config or {})
     cap = (max_staleness + run.weight_version + 1) * batch_size
     return {
         "free": max(0, cap - run.sessions_open - run.sessions_accepted),

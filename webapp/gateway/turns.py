@@ -276,7 +276,7 @@ def budget_full(cursor, run: RunInfo) -> GatewayError:
             code="pool_sessions_per_run",
             retry_after=settings.GATEWAY_RETRY_AFTER_S,
         )
-    max_staleness, _, _ = admission.budget(run.config)
+    max_staleness = admission.budget(run.config).max_staleness
     ratelimit.tally(admission.refused_bucket(run.id))  # the run page says agents back off
     return GatewayError(
         429,
