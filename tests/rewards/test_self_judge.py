@@ -53,6 +53,18 @@ def engine(chat_tokenizer):
     thread.join()
 
 
+@pytest.fixture
+def run(project, make_dataset, make_run, tokenizer_dir):
+    """A dataset run judged by its own model (``tokenizer_dir``'s tokenizer), groups of one."""
+    return make_run(
+        project,
+        dataset=make_dataset(project),
+        base_model=str(tokenizer_dir),
+        reward={"type": "judge", "judge": "self", "rubric": "1 if the answer is 4, else 0."},
+        group_size=1,
+    )
+
+
 def _episode(answer: str) -> dict:
     return {
         "input_ids": [1, 2],
@@ -66,17 +78,8 @@ def _episode(answer: str) -> dict:
     }
 
 
-def test_a_self_judged_run_waits_for_its_server_then_its_own_model_scores_it(
-    project, make_dataset, make_run, tokenizer_dir, engine
-):
+def test_a_self_judged_run_waits_for_its_server_then_its_own_model_scores_it(run, engine):
     url, seen = engine
-    run = make_run(
-        project,
-        dataset=make_dataset(project),
-        base_model=str(tokenizer_dir),
-        reward={"type": "judge", "judge": "self", "rubric": "1 if the answer is 4, else 0."},
-        group_size=1,
-    )
     ids = job_submit_episodes(run=run, episodes=[_episode("4"), _episode("5")])
 
     rewards_tick()  # no server up yet: waiting, not lost
@@ -100,19 +103,10 @@ def test_a_self_judged_run_waits_for_its_server_then_its_own_model_scores_it(
     assert sum(JudgeCall.objects.filter(run=run).values_list("completion_tokens", flat=True)) > 0
 
 
-def test_a_self_judge_asks_the_runs_next_server_when_one_is_down(
-    project, make_dataset, make_run, tokenizer_dir, engine
-):
+def test_a_self_judge_asks_the_runs_next_server_when_one_is_down(run, engine):
     from rl_core.inference.process import free_ports
 
     url, seen = engine
-    run = make_run(
-        project,
-        dataset=make_dataset(project),
-        base_model=str(tokenizer_dir),
-        reward={"type": "judge", "judge": "self", "rubric": "1 if the answer is 4, else 0."},
-        group_size=1,
-    )
     (dead_port,) = free_ports(1)  # nothing listens there: refused at once
     dead = InferenceServer.objects.create(run=run, url=f"http://127.0.0.1:{dead_port}")
     InferenceServer.objects.create(run=run, url=url, backend="sglang")
