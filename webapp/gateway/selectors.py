@@ -9,6 +9,7 @@ from django.db.models import FloatField, OuterRef, Prefetch, Q, QuerySet, Subque
 from django.http import Http404
 from django.utils import timezone
 
+from rl_core.staleness import free_capacity
 from rl_core.types import Trajectory
 from webapp import ratelimit
 from webapp.accounts.models import Project
@@ -234,12 +235,16 @@ def admission_state(run: Run) -> dict | None:
     online run serving agents."""
     if run.mode != Run.Mode.ONLINE or run.status != Run.Status.RUNNING:
         return None
-    max_staleness, batch_size, *_ = admission.budget(run.config or {})
-    cap = (max_staleness + run.weight_version + 1) * batch_size
+    budget = admission.budget(run.config or {})
     return {
-        "free": max(0, cap - run.sessions_open - run.sessions_accepted),
+        "free": free_capacity(
+            **budget._asdict(),
+            version=run.weight_version,
+            accepted=run.sessions_accepted,
+            running=run.sessions_open,
+        ),
         "open": run.sessions_open,
-        "max_staleness": max_staleness,
-        "batch_size": batch_size,
+        "max_staleness": budget.max_staleness,
+        "batch_size": budget.batch_size,
         "refused": ratelimit.peek(admission.refused_bucket(run.id)),
     }
