@@ -12,14 +12,16 @@ import hashlib
 import json
 import re
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import jsonschema
-import openai
 
 from rl_core.reward_specs import reward_setting
 from webapp.rewards.secrets import KeyUnavailable, judge_api_key
+
+if TYPE_CHECKING:
+    import openai
 
 # Bumped when the prompt or the schema changes, so old cached verdicts stop matching.
 PROMPT_VERSION = "1"
@@ -175,6 +177,8 @@ class Unavailable(Exception):
 
 
 def _ask_endpoint(client: openai.OpenAI, spec: dict, messages: list[dict]) -> tuple[str, int, int]:
+    import openai  # here, not at the top: it takes a second to load, and most callers never ask
+
     try:
         reply = client.chat.completions.create(
             model=spec["model"],
@@ -232,6 +236,8 @@ def judge_answers(
         def ask() -> tuple[str, int, int]:
             return _ask_self(self_judge, spec, messages)
     else:
+        import openai
+
         try:
             client = openai.OpenAI(
                 base_url=spec["base_url"],
