@@ -43,6 +43,41 @@ def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False) -
     return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii)
 
 
+_DICT_ATTRIBUTES = frozenset(dir(dict))
+
+
+class _TemplateEnvironment(ImmutableSandboxedEnvironment):
+    """The sandbox, with ``message.role`` on a plain dict looked up as the key at once.
+
+    The sandbox tries the attribute first and takes the key when that raises, and a template
+    does this for every message's every field: a third of a render went to the raised
+    ``AttributeError``. A plain dict has no attribute but its class's, so for any other name
+    the answer is the same: the item, or undefined.
+    """
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        if type(obj) is dict and attribute not in _DICT_ATTRIBUTES:
+            try:
+                return obj[attribute]
+            except (TypeError, LookupError):
+                return self.undefined(obj=obj, name=attribute)
+        return super().getattr(obj, attribute)
+
+
+def compile_template(
+    text: str, environment: type[ImmutableSandboxedEnvironment] = _TemplateEnvironment
+) -> jinja2.Template:
+    """A chat template compiled as ``transformers`` does (``environment``: for tests)."""
+    env = environment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise
+    template = env.from_string(text)
+    # A plain dict, not the ChainMap over the environment's globals: every render copies
+    # them into its context, and iterating a ChainMap is a Python loop.
+    template.globals = dict(template.globals)
+    return template
+
+
 @dataclass
 class ChatTokenizer:
     """A model directory's tokenizer and chat template, usable from the web process."""
@@ -52,15 +87,20 @@ class ChatTokenizer:
     special_tokens: dict[str, str | None]
     eos_token_ids: list[int]
     path: str
+    byte_level: bool = False  # the decoder is ByteLevel's alone (see joins)
     # render + encode, memoized (see encode_messages)
     _prompts: OrderedDict = field(default_factory=OrderedDict, repr=False, compare=False)
     _prompts_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    # key → (number of ids, their text), most recent last (see decode_continued)
+    _texts: OrderedDict = field(default_factory=OrderedDict, repr=False, compare=False)
+    _texts_chars: int = field(default=0, repr=False, compare=False)
 
     PROMPT_CACHE_SIZE: ClassVar[int] = 2048
+    TEXT_CACHE_CHARS: ClassVar[int] = 1 << 24  # remembered texts, in characters, at most
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ChatTokenizer:
-        from tokenizers import Tokenizer
+        from tokenizers import Tokenizer, decoders
 
         root = Path(path)
         if not (root / "tokenizer.json").exists():
@@ -69,22 +109,17 @@ class ChatTokenizer:
             )
         tokenizer = Tokenizer.from_file(str(root / "tokenizer.json"))
         config = _read_json(root / "tokenizer_config.json")
-        template_text = _chat_template(root, config)
-        env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-        )
-        env.filters["tojson"] = _tojson
-        env.globals["raise_exception"] = _raise
         specials = {
             name: _token_text(config.get(name))
             for name in ("bos_token", "eos_token", "pad_token", "unk_token")
         }
         return cls(
             tokenizer=tokenizer,
-            template=env.from_string(template_text),
+            template=compile_template(_chat_template(root, config)),
             special_tokens=specials,
             eos_token_ids=_eos_ids(root, tokenizer, specials["eos_token"]),
             path=str(root),
+            byte_level=isinstance(tokenizer.decoder, decoders.ByteLevel),
         )
 
     def render(
@@ -133,6 +168,48 @@ class ChatTokenizer:
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def joins(self, text: str) -> bool:
+        """Whether ids whose text is ``text`` followed by any ``more`` decode (special tokens
+        kept) to ``text + decode(more)``.
+
+        True for a byte-level decoder (GPT-2's, Qwen's, Llama 3's) when ``text`` is empty or
+        ends with an ASCII character. Such a decoder decodes the ids' token bytes, one after
+        the other, as UTF-8 (U+FFFD for bytes that are not); a text ending in ASCII comes from
+        bytes ending in that ASCII byte (a cut-off or invalid sequence would end it with
+        U+FFFD), and no UTF-8 sequence runs across an ASCII byte, so what follows decodes on
+        its own. Other decoders (Metaspace, WordPiece, none) strip or join tokens across the
+        cut: never assumed.
+        """
+        return self.byte_level and (not text or text[-1] < "\x80")
+
+    def remember_text(self, key: str, count: int, text: str) -> None:
+        """Remember ``text``, the decoding (special tokens kept) of ``count`` ids, under
+        ``key``, which names those ids for good (a recorded turn's interaction id)."""
+        with self._prompts_lock:
+            old = self._texts.pop(key, None)
+            if old is not None:
+                self._texts_chars -= len(old[1])
+            self._texts[key] = (count, text)
+            self._texts_chars += len(text)
+            while self._texts_chars > self.TEXT_CACHE_CHARS and self._texts:
+                self._texts_chars -= len(self._texts.popitem(last=False)[1][1])
+
+    def decode_continued(self, key: str | None, ids: list[int], more: list[int]) -> str:
+        """``decode(ids + more, skip_special_tokens=False)``. When the text of ``ids`` was
+        remembered under ``key`` (``remember_text``) and ``joins`` it, only ``more`` is decoded:
+        a session's next turn decodes its last answer, not the whole conversation again."""
+        known = None
+        if key is not None:
+            with self._prompts_lock:
+                found = self._texts.get(key)
+                if found is not None:
+                    self._texts.move_to_end(key)
+            if found is not None and found[0] == len(ids):
+                known = found[1]
+        if known is not None and self.joins(known):
+            return known + self.decode(more, skip_special_tokens=False)
+        return self.decode(ids + more, skip_special_tokens=False)
 
 
 @lru_cache(maxsize=16)

@@ -100,7 +100,7 @@ class _Progress:
         max_new = params.get("max_new_tokens")
         return cls(
             rid=rid or new_hex(),
-            input_ids=[int(t) for t in input_ids],
+            input_ids=list(map(int, input_ids)),  # a C loop: prompts grow with each turn
             params=params,
             max_new_tokens=DEFAULT_MAX_NEW_TOKENS if max_new is None else int(max_new),
             return_logprob=return_logprob,

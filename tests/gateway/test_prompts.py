@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import random
+
+from rl_core.chat import ChatTokenizer
 from webapp.gateway.prompts import PreviousTurn, build_prompt
 
 SYSTEM = {"role": "system", "content": "Answer briefly."}
@@ -68,3 +71,105 @@ def test_an_answer_the_template_writes_differently_is_rendered_afresh(chat_token
     prompt = build_prompt(tok, next_messages, None, previous)
     assert not prompt.reused and prompt.chosen == 0
     assert prompt.input_ids == tok.encode(tok.render(next_messages))
+
+
+class _DecodeSpy:
+    """The tokenizer, with the lengths of the id lists it decodes written down."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer, self.lengths = tokenizer, []
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+    def decode(self, ids, skip_special_tokens=True):
+        self.lengths.append(len(ids))
+        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def _conversation(tok, answers: list[list[int]], keyed: bool):
+    """Prompts of a session whose answers are ``answers`` (ids), each turn built from the last
+    as the gateway does: with the turn's interaction id as ``key`` when ``keyed``."""
+    messages = [SYSTEM, {"role": "user", "content": "2+2?"}]
+    previous, prompts = None, []
+    for number, output_ids in enumerate(answers):
+        key = f"chatcmpl-{number}-{keyed}" if keyed else None
+        prompt = build_prompt(tok, messages, None, previous, key)
+        prompts.append(prompt)
+        answer = {"role": "assistant", "content": tok.decode(output_ids)}
+        previous = PreviousTurn(
+            messages=list(messages),
+            tools=None,
+            input_ids=prompt.input_ids,
+            choices=[{"output_ids": output_ids, "message": answer}],
+            key=key,
+        )
+        messages = [*messages, answer, {"role": "user", "content": f"And {number}€?"}]
+    return prompts
+
+
+def test_a_continued_turn_decodes_its_answer_and_new_tokens_not_the_conversation(
+    chat_tokenizer, monkeypatch
+):
+    tok = chat_tokenizer
+    answers = [tok.encode(text) for text in ("4", "Ça fait 5 😀.", "6", "7!")]
+    spy = _DecodeSpy(tok.tokenizer)
+    monkeypatch.setattr(tok, "tokenizer", spy)
+    prompts = _conversation(tok, answers, keyed=True)
+    monkeypatch.undo()
+    assert all(p.reused for p in prompts[1:])
+    # From the third turn on, the previous prompt's text is remembered: no decode is as long.
+    assert max(spy.lengths[-4:]) < len(prompts[1].input_ids)
+    assert [p.input_ids for p in prompts] == [
+        p.input_ids for p in _conversation(tok, answers, keyed=False)
+    ]
+    assert tok.decode(prompts[-1].input_ids, skip_special_tokens=False).endswith(
+        "And 2€?<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def test_an_answer_cut_inside_a_character_is_decoded_with_the_whole_conversation(chat_tokenizer):
+    tok = chat_tokenizer
+    emoji = list("😀".encode())  # the tiny model's ids are bytes
+    # An answer cut after two of the emoji's four bytes, then one ending on a whole character.
+    answers = [tok.encode("4"), emoji[:2], emoji, tok.encode("é")]
+    keyed = _conversation(tok, answers, keyed=True)
+    assert [p.input_ids for p in keyed] == [
+        p.input_ids for p in _conversation(tok, answers, keyed=False)
+    ]
+
+
+def test_decode_continued_equals_decoding_the_whole_ids(tiny_model_dir):
+    tok = ChatTokenizer.from_pretrained(tiny_model_dir)  # its own remembered texts
+    rng = random.Random(11)
+    specials = [tok.tokenizer.token_to_id(t) for t in ("<|im_start|>", "<|im_end|>")]
+    pieces = [*range(32, 127), *list("é😀€".encode()), 0, 0xE2, 0x82, 0xFF, *specials]
+    for case in range(300):
+        ids = [rng.choice(pieces) for _ in range(rng.randrange(0, 12))]
+        more = [rng.choice(pieces) for _ in range(rng.randrange(0, 12))]
+        key = f"case-{case}"
+        tok.remember_text(key, len(ids), tok.decode(ids, skip_special_tokens=False))
+        whole = tok.decode(ids + more, skip_special_tokens=False)
+        assert tok.decode_continued(key, ids, more) == whole
+        assert tok.decode_continued(None, ids, more) == whole
+        if tok.joins(tok.decode(ids, skip_special_tokens=False)):
+            assert whole == tok.decode(ids, skip_special_tokens=False) + tok.decode(
+                more, skip_special_tokens=False
+            )
+
+
+def test_remembered_texts_are_bounded_and_only_byte_level_decoders_join(
+    tiny_model_dir, monkeypatch
+):
+    tok = ChatTokenizer.from_pretrained(tiny_model_dir)
+    assert tok.byte_level
+    monkeypatch.setattr(type(tok), "TEXT_CACHE_CHARS", 10)
+    tok.remember_text("a", 1, "12345")
+    tok.remember_text("b", 1, "67890")
+    tok.remember_text("c", 1, "x")
+    assert "a" not in tok._texts and list(tok._texts) == ["b", "c"]
+    assert tok.decode_continued("a", [ord("z")], [ord("!")]) == "z!"  # forgotten: decoded whole
+    assert tok.decode_continued("c", [ord("z")], [ord("!")]) == "x!"  # remembered (as told)
+    assert tok.decode_continued("c", [1, 2], [ord("!")]) != "x!"  # not for other ids
+    monkeypatch.setattr(tok, "byte_level", False)
+    assert not tok.joins("plain ASCII")

@@ -10,6 +10,7 @@ from openai import APIStatusError, ConflictError
 
 from webapp.accounts.keys import SESSION_KEY_PREFIX, hash_key
 from webapp.gateway.models import Interaction, Session
+from webapp.gateway.prompts import PreviousTurn, build_prompt
 from webapp.gateway.selectors import session_trajectories
 from webapp.gateway.tasks import sessions_expire_idle
 
@@ -331,3 +332,31 @@ def test_a_conversation_that_rewrites_history_starts_a_new_sequence(gw):
     assert [t.session_id for t in trajectories] == [f"{session_id}#0", f"{session_id}#1"]
     assert [t.rewards for t in trajectories] == [[0.5], [1.0]]
     assert trajectories[1].input_ids == turn1.input_ids + turn1.outputs[0]["output_ids"]
+
+
+def test_each_turn_is_the_prompt_built_afresh_from_the_recorded_last_turn(gw, chat_tokenizer):
+    # The server remembers the text of the prompts it built and decodes only what a turn adds
+    # (ChatTokenizer.decode_continued): the ids are those of the whole decode all the same.
+    session_id, key = gw.start_session()
+    messages, _ = _converse(gw.openai(key), gw.model, 6, max_tokens=12)
+    turns = list(Interaction.objects.filter(session_id=session_id).order_by("turn"))
+    assert all(t.prefix_reused for t in turns[1:])
+    for previous, turn in zip(turns, turns[1:], strict=False):
+        rebuilt = build_prompt(
+            chat_tokenizer,
+            turn.messages,
+            None,
+            PreviousTurn(
+                messages=previous.messages,
+                tools=previous.tools,
+                input_ids=previous.input_ids,
+                choices=[
+                    {"output_ids": out["output_ids"], "message": choice["message"]}
+                    for out, choice in zip(
+                        previous.outputs, previous.response["choices"], strict=True
+                    )
+                ],
+            ),
+        )
+        assert rebuilt.reused and rebuilt.input_ids == turn.input_ids
+    assert turns[-1].messages == messages[:-2]

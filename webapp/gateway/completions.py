@@ -92,8 +92,22 @@ def parse_json_body(body: bytes, content_type: str) -> object:
         parsed = json.loads(body or b"null")
     except (ValueError, RecursionError) as exc:  # RecursionError: nested too deeply
         raise bad_request(f"The body is not valid JSON: {exc}.", code="invalid_json") from None
-    check_storable(parsed)
+    if not _plainly_storable(body):
+        check_storable(parsed)
     return parsed
+
+
+def _plainly_storable(body: bytes) -> bool:
+    """True when no string parsed from ``body`` can hold a NUL or a lone surrogate, which
+    ``check_storable`` looks for by walking every value. ``json.loads`` reads a body with no
+    zero byte and no UTF-16/32 byte order mark as UTF-8; there a NUL or a surrogate comes
+    only from a ``\\u`` escape or from the UTF-8 bytes of a surrogate (lead byte 0xED)."""
+    return (
+        b"\\u" not in body
+        and b"\xed" not in body
+        and b"\x00" not in body
+        and not body.startswith((b"\xff\xfe", b"\xfe\xff"))
+    )
 
 
 async def _tokenizer(base_model: str) -> ChatTokenizer:
@@ -232,8 +246,9 @@ async def _generate_and_record(
     whose stream records the turn before its last events."""
     run, previous = turn.run, turn.previous
     tok = await _tokenizer(run.base_model)
+    interaction_id = f"chatcmpl-{new_hex()}"
     try:
-        prompt, branched = await _prompt(tok, chat, turn, db)
+        prompt, branched = await _prompt(tok, chat, turn, db, interaction_id)
     except ChatTemplateError as exc:
         raise bad_request(str(exc), param="messages") from None
     engine_request = early_start.engine_request(
@@ -256,7 +271,6 @@ async def _generate_and_record(
         "prefix_reused": prompt.reused,
         "previous_chosen": chosen,
     }
-    interaction_id = f"chatcmpl-{new_hex()}"
     if chat.stream:
         started_early = await early.take(engine_request) if early is not None else None
         # The stream owns the turn from here: it records it, or discards it on an error.
@@ -291,7 +305,7 @@ async def _generate_and_record(
 
 
 async def _prompt(
-    tok: ChatTokenizer, chat: ChatRequest, turn: turns.Turn, db
+    tok: ChatTokenizer, chat: ChatRequest, turn: turns.Turn, db, interaction_id: str
 ) -> tuple[Prompt, bool]:
     """The prompt's ids: the last turn's exact tokens continued, or, for a request that does not
     continue the last turn, those of the earlier turn it branches from (``webapp.gateway.branches``:
@@ -299,7 +313,7 @@ async def _prompt(
     The common path, continuing the last turn, costs no extra statement."""
     last, tools = turn.previous, chat.rendered_tools
     if last is not None:
-        extended = extend_prompt(tok, chat.messages, tools, last)
+        extended = extend_prompt(tok, chat.messages, tools, last, interaction_id)
         if extended is not None:
             return extended, False
         if turn.caller.session_turns > 1:
@@ -312,7 +326,9 @@ async def _prompt(
                 ),
                 durable=False,
             )
-            extended = extend_prompt(tok, chat.messages, tools, parent) if parent else None
+            extended = (
+                extend_prompt(tok, chat.messages, tools, parent, interaction_id) if parent else None
+            )
             if extended is not None:
                 return extended, True
     return fresh_prompt(tok, chat.messages, tools), False

@@ -24,6 +24,7 @@ class PreviousTurn:
     tools: list[dict] | None
     input_ids: list[int]
     choices: list[dict]  # per choice: {"output_ids": [...], "message": {...as returned}}
+    key: str | None = None  # its interaction id, under which its prompt's text may be remembered
 
 
 @dataclass
@@ -38,9 +39,10 @@ def build_prompt(
     messages: list[dict],
     tools: list[dict] | None,
     previous: PreviousTurn | None,
+    key: str | None = None,
 ) -> Prompt:
     if previous is not None:
-        extended = extend_prompt(tok, messages, tools, previous)
+        extended = extend_prompt(tok, messages, tools, previous, key)
         if extended is not None:
             return extended
     return fresh_prompt(tok, messages, tools)
@@ -56,7 +58,8 @@ def continued_choice(messages: list[dict], previous: PreviousTurn) -> int | None
     k = len(previous.messages)
     if len(messages) <= k:
         return None
-    if [normalize_message(m) for m in messages[:k]] != [
+    # Equal messages normalise equally: the usual re-sent history costs one comparison.
+    if messages[:k] != previous.messages and [normalize_message(m) for m in messages[:k]] != [
         normalize_message(m) for m in previous.messages
     ]:
         return None
@@ -68,7 +71,11 @@ def continued_choice(messages: list[dict], previous: PreviousTurn) -> int | None
 
 
 def extend_prompt(
-    tok: ChatTokenizer, messages: list[dict], tools: list[dict] | None, previous: PreviousTurn
+    tok: ChatTokenizer,
+    messages: list[dict],
+    tools: list[dict] | None,
+    previous: PreviousTurn,
+    key: str | None = None,
 ) -> Prompt | None:
     """None when ``messages`` do not continue ``previous``; else the previous turn's ids and the chosen answer's ids, then the tokens of what the
     template writes after them; a fresh render when its text does not begin with theirs.
@@ -76,17 +83,25 @@ def extend_prompt(
     One render per turn: the previous prompt and the answer are taken as the text their ids
     decode to, not rendered again. The prompt's text is then the template's rendering of
     ``messages`` (up to what ``storable_text`` replaces), and its prefix is what the model
-    saw and produced.
+    saw and produced. That text of the previous prompt is, where this process built it,
+    remembered under the previous turn's ``key``, so a turn decodes only the answer and the
+    new tokens (``ChatTokenizer.decode_continued``); ``key`` names the prompt made here.
     """
     if (tools or None) != (previous.tools or None):
         return None
     chosen = continued_choice(messages, previous)
     if chosen is None:
         return None
-    seen_ids = previous.input_ids + list(previous.choices[chosen]["output_ids"])
+    output_ids = list(previous.choices[chosen]["output_ids"])
+    decoded = tok.decode_continued(previous.key, previous.input_ids, output_ids)
     # As stored and returned: a generated NUL reads as U+FFFD in the answer the agent echoes.
-    seen = storable_text(tok.decode(seen_ids, skip_special_tokens=False))
+    seen = storable_text(decoded)
     full = tok.render(messages, tools=tools, add_generation_prompt=True)
     if not full.startswith(seen):
         return Prompt(input_ids=tok.encode(full), reused=False, chosen=chosen)
-    return Prompt(input_ids=seen_ids + tok.encode(full[len(seen) :]), reused=True, chosen=chosen)
+    added = tok.encode(full[len(seen) :])
+    input_ids = previous.input_ids + output_ids + added
+    if key is not None and tok.joins(decoded):
+        text = decoded + tok.decode(added, skip_special_tokens=False)
+        tok.remember_text(key, len(input_ids), text)
+    return Prompt(input_ids=input_ids, reused=True, chosen=chosen)

@@ -49,7 +49,7 @@ _RUN_COLUMNS = "r.id, r.name, r.status, r.weight_version, r.config, r.base_model
 
 def _session_key_statement(last_turn: bool) -> str:
     """The session key's session, agent and run; with ``last_turn``, the session's last turn."""
-    turn_columns = ", t.request_hash, t.messages, t.tools, t.input_ids, t.outputs, t.response"
+    turn_columns = ", t.request_hash, t.messages, t.tools, t.input_ids, t.outputs, t.response, t.id"
     turn_join = (
         f" LEFT JOIN {_INTERACTIONS} t ON t.session_id = s.id AND t.turn = s.interaction_count - 1"
     )
@@ -88,7 +88,8 @@ class Caller:
     session_status: str | None = None
     session_server: str = ""
     session_turns: int = 0
-    last_turn: tuple | None = None  # request_hash, messages, tools, input_ids, outputs, response
+    # request_hash, messages, tools, input_ids, outputs, response, id
+    last_turn: tuple | None = None
 
 
 @dataclass(frozen=True)
@@ -333,6 +334,7 @@ def _last_turn(row: tuple | None) -> tuple[PreviousTurn | None, dict | None]:
             {"output_ids": out["output_ids"], "message": choice["message"]}
             for out, choice in zip(outputs, response["choices"], strict=True)
         ],
+        key=row[6] if len(row) > 6 else None,
     )
     return previous, {"request_hash": row[0], "response": response}
 
