@@ -618,13 +618,19 @@ class Bench:
             log(f"  {cell.line()}")
             self.sessions.append(cell)
 
-    def plan(self, workload: str, *, baseline: bool = False) -> list[tuple[str, int, int]]:
-        """Every (agents, turns) cell; with ``baseline``, one-turn completions first at each N."""
+    def plan(
+        self, workload: str, *, baseline: bool = False, stateless: bool = False
+    ) -> list[tuple[str, int, int]]:
+        """Every (agents, turns) cell; with ``baseline``, one-turn completions first at each N;
+        with ``stateless``, also the same conversations as one-turn completions (``turns``,
+        k > 1: each request re-sends the history, as to a peer without sessions)."""
         cells = []
         for agents in self.args.agents:
             if baseline:
                 cells.append(("completions", agents, 1))
             cells += [(workload, agents, k) for k in self.args.turns]
+            if stateless:
+                cells += [("turns", agents, k) for k in self.args.turns if k > 1]
         return cells
 
     def direct_sessions(self) -> None:
@@ -643,7 +649,7 @@ class Bench:
                 "steep",
                 server.base,
                 server.key,
-                self.plan("episodes", baseline=True),
+                self.plan("episodes", baseline=True, stateless=True),
                 counts=lambda: self.steep_counts(server.env),
                 workers=workers,
                 database=database,
@@ -987,7 +993,7 @@ def main(argv=None) -> int:
         text = sessions_load.report(
             bench.sessions,
             verdict_agents=200 if 200 in args.agents else max(args.agents),
-            verdict_turns=3 if 3 in args.turns else args.turns[0],
+            verdict_turns=3 if 3 in args.turns else max(args.turns),
         )
         client = f"aiohttp client in {args.client_procs} processes"
     else:

@@ -528,19 +528,8 @@ def verdicts(cells: list[SessionsCell], *, agents: int, turns: int) -> list[str]
             f"{longest.load.rps('turn') / one_turn:.0%}"
         )
         single = find("steep", "episodes", database, k=1)
-        if single is not None and turns > 1 and single.load.rps() and c.load.rps():
-            # The server is saturated in both cells (the client's ceiling is several times
-            # higher), so an episode's server time is its request count over the mix's rate;
-            # what k - 1 more turns add to it is what a turn costs, start/reward/end excluded.
-            added = (turns + 3) / c.load.rps() - 4 / single.load.rps()
-            if added > 0:
-                marginal = (turns - 1) / added
-                out.append(
-                    f"- {c.target}, a turn's own cost (episode time at k={turns} minus k=1, per "
-                    f"added turn): {1000 / marginal:.2f} ms = {_num(marginal)} turns/s vs "
-                    f"{_num(one_turn)} one-turn completions/s = {marginal / one_turn:.0%} "
-                    f"(within 15%: {mark(marginal >= 0.85 * one_turn)})"
-                )
+        if single is not None and turns > 1:
+            out += _turn_costs(c, single, base, find("steep", "turns", database), mark)
     ceiling = find("direct", "episodes")
     if ceiling:
         out.append(
@@ -549,3 +538,36 @@ def verdicts(cells: list[SessionsCell], *, agents: int, turns: int) -> list[str]
         )
     out.append("")
     return out
+
+
+def _turn_costs(episodes, single, base, stateless, mark) -> list[str]:
+    """What one chat turn of a session costs the server, from cells where it is saturated (the
+    client's ceiling is several times higher), so each cell's seconds are the sum of its
+    requests' costs. A one-turn completion costs 1 / its rate; a session's first turn costs
+    what a one-turn completion does, so the k = 1 cell gives start/reward/end's cost; the
+    k-turn cell then gives its turns' cost, from the requests of each kind the window held
+    (agents in step hold more turns than k : 3 at some moments: the counts, not k, decide)."""
+    one = 1 / base.load.rps("turn")
+    s1, n1 = single.load, single.load.requests
+    control = (s1.seconds - n1.get("turn", 0) * one) / sum(n for e, n in n1.items() if e != "turn")
+    sk, nk = episodes.load, episodes.load.requests
+    spent = sk.seconds - control * sum(n for e, n in nk.items() if e != "turn")
+    turn = spent / max(1, nk.get("turn", 0))
+    k = sk.turns
+    lines = [
+        f"- {episodes.target}, a session's chat turn at k={k} (the window's seconds less its "
+        f"start/reward/end, {1000 * control:.2f} ms each from k=1, over its turns): "
+        f"{1000 * turn:.2f} ms = {_num(1 / turn)} turns/s vs {_num(1 / one)} one-turn "
+        f"completions/s = {one / turn:.0%} (within 15%: {mark(one / turn >= 0.85)})"
+    ]
+    if stateless is not None and stateless.load.rps("turn"):
+        # The same conversations, each turn a one-turn completion re-sending the history:
+        # what a turn costs when it carries what a session's turn carries, without the
+        # session (its lookup, prefix reuse and bookkeeping).
+        alike = 1 / stateless.load.rps("turn")
+        lines.append(
+            f"- {episodes.target}, the same turns as one-turn completions re-sending the "
+            f"history (k={k}, no session): {1000 * alike:.2f} ms = {_num(1 / alike)} turns/s; "
+            f"a session's turn runs at {alike / turn:.0%} of that"
+        )
+    return lines
