@@ -10,8 +10,19 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from rl_core.inference.process import record_process
-from workers.ray_cluster import _ray_temp_dir, _running, inference_pid_dir, stop_local_cluster
+from tests.livestack import free_port
+from workers import ray_cluster
+from workers.ray_cluster import (
+    RayUnavailable,
+    _pids_naming,
+    _ray_temp_dir,
+    _running,
+    inference_pid_dir,
+    stop_local_cluster,
+)
 
 # A process that starts a child (as the raylet starts its agents) and then waits; its
 # command line names a directory, as a Ray head's processes name their temp dir.
@@ -126,3 +137,23 @@ def test_it_stops_job_drivers_a_dead_head_left_behind_and_no_other(tmp_path):
                 subprocess.run(["kill", "-9", str(pid)], check=False)
             driver.kill()
             driver.wait(timeout=10)
+
+
+def test_a_started_head_whose_jobs_api_never_answers_is_stopped_not_left_behind(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(ray_cluster, "_alive", lambda url: False)
+    monkeypatch.setattr(ray_cluster, "JOBS_API_WAIT_S", 1.0)
+    marker = str(_ray_temp_dir(tmp_path))
+    try:
+        with pytest.raises(RayUnavailable, match="never answered"):
+            ray_cluster.ensure_cluster(
+                data_dir=tmp_path, num_cpus=1, dashboard_port=free_port(), gcs_port=free_port()
+            )
+        deadline = time.monotonic() + 10  # SIGKILLed processes are gone within moments
+        while _pids_naming(marker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _pids_naming(marker) == []
+        assert not (tmp_path / "ray" / "head.json").exists()
+    finally:
+        stop_local_cluster(data_dir=tmp_path)

@@ -95,6 +95,9 @@ def dashboard_url(address: str, *, dashboard_port: int = 8265) -> str:
     return f"http://{host}:{dashboard_port}"
 
 
+JOBS_API_WAIT_S = 60.0  # how long a started head's Jobs API has to answer
+
+
 def ensure_cluster(
     *,
     data_dir: Path,
@@ -159,13 +162,17 @@ def _ensure_local_head(
         str(_ray_temp_dir(data_dir)),
     ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    # A head that failed is stopped, not left behind: its processes would hold the ports,
+    # and with no head.json the next start would try them again.
     if result.returncode != 0 and not _alive(url):
+        stop_local_cluster(data_dir=data_dir)
         raise RayUnavailable(
             f"Could not start a local Ray head: {result.stderr[-2000:] or result.stdout[-2000:]}"
         )
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + JOBS_API_WAIT_S
     while not _alive(url):
         if time.monotonic() > deadline:
+            stop_local_cluster(data_dir=data_dir)
             raise RayUnavailable("The local Ray head started but its Jobs API never answered.")
         time.sleep(0.5)
     state.write_text(json.dumps({"dashboard_url": url}))
