@@ -322,7 +322,8 @@ def begin(*, token: str | None, agent_id, fingerprint: str, is_retry: bool):
 
 
 def _last_turn(row: tuple | None) -> tuple[PreviousTurn | None, dict | None]:
-    """The session's last turn as read by ``authenticate(..., last_turn=True)``."""
+    """A turn as read by ``authenticate(..., last_turn=True)`` or ``branch_parent``: its
+    request_hash, messages, tools, input_ids, outputs, response and id."""
     if row is None:
         return None, None
     outputs, response = sql.loads(row[4]), sql.loads(row[5])
@@ -334,7 +335,7 @@ def _last_turn(row: tuple | None) -> tuple[PreviousTurn | None, dict | None]:
             {"output_ids": out["output_ids"], "message": choice["message"]}
             for out, choice in zip(outputs, response["choices"], strict=True)
         ],
-        key=row[6] if len(row) > 6 else None,
+        key=row[6],
     )
     return previous, {"request_hash": row[0], "response": response}
 
@@ -373,7 +374,7 @@ def branch_parent(*, session_id, last_turn: int, messages: list, tools):
                 candidates.append((k, int(turn)))
         for _, turn in sorted(candidates, reverse=True):  # the longest, then the latest
             cursor.execute(
-                f"SELECT request_hash, messages, tools, input_ids, outputs, response"
+                f"SELECT request_hash, messages, tools, input_ids, outputs, response, id"
                 f" FROM {_INTERACTIONS} WHERE session_id = %s AND turn = %s",
                 [session_pk, turn],
             )
