@@ -549,10 +549,15 @@ def _turn_costs(episodes, single, base, stateless, mark) -> list[str]:
     (agents in step hold more turns than k : 3 at some moments: the counts, not k, decide)."""
     one = 1 / base.load.rps("turn")
     s1, n1 = single.load, single.load.requests
-    control = (s1.seconds - n1.get("turn", 0) * one) / sum(n for e, n in n1.items() if e != "turn")
     sk, nk = episodes.load, episodes.load.requests
+    controls = sum(n for e, n in n1.items() if e != "turn")
+    if not controls or not nk.get("turn"):
+        return []  # a window without the requests the estimate divides by
+    control = (s1.seconds - n1.get("turn", 0) * one) / controls
     spent = sk.seconds - control * sum(n for e, n in nk.items() if e != "turn")
-    turn = spent / max(1, nk.get("turn", 0))
+    if control <= 0 or spent <= 0:
+        return []  # not saturated as assumed: no cost to state
+    turn = spent / nk["turn"]
     k = sk.turns
     lines = [
         f"- {episodes.target}, a session's chat turn at k={k} (the window's seconds less its "
