@@ -57,6 +57,21 @@ PROBES = """{% for message in messages %}
 {{ message.values is defined }} {{ message['role'] }} {{ message.content is none }}]
 {%- endfor %}"""
 
+# Macros every way a template may call them (the sandbox's fast path for a template's macros):
+# defaults, keywords, varargs and kwargs, caller blocks, one macro calling another, inside loops.
+MACROS = """{%- macro text(content, prefix='') -%}
+{%- if content is string %}{{ prefix }}{{ content }}{% else %}{% for p in content or [] %}{{ p.text }}{% endfor %}{% endif -%}
+{%- endmacro -%}
+{%- macro tag(role) -%}<{{ role }}>{{ caller() }}</{{ role }}>{%- endmacro -%}
+{%- macro many() -%}{{ varargs | length }}:{{ kwargs | dictsort | join(',') }}{%- endmacro -%}
+{%- macro nested(m) -%}[{{ text(m.content, prefix=m.role ~ ': ') }}]{%- endmacro -%}
+{%- for message in messages -%}
+{%- set n = loop.index -%}
+{% call tag(message.role) %}{{ n }} {{ text(message.content) }} {{ nested(message) }}{% endcall %}
+{{ many(1, 2, role=message.role) }} {{ text(content=message.content) }}
+{%- endfor %}
+{{ text(none) }}{{ tag is defined }}{{ many() }}"""
+
 CONVERSATIONS = [
     [{"role": "user", "content": "2+2?"}],
     [
@@ -98,7 +113,7 @@ def _render(text: str, environment, messages, tools):
 @pytest.mark.parametrize("tools", [None, TOOLS])
 def test_each_template_renders_as_the_plain_sandbox_renders_it(tiny_model_dir, messages, tools):
     tiny = (tiny_model_dir / "chat_template.jinja").read_text()
-    for text in (tiny, CHATML_TOOLS, LLAMA, PROBES):
+    for text in (tiny, CHATML_TOOLS, LLAMA, PROBES, MACROS):
         expected = _render(text, ImmutableSandboxedEnvironment, messages, tools)
         assert _render(text, None, messages, tools) == expected
 
@@ -113,6 +128,9 @@ def test_the_sandbox_still_refuses_what_it_refused():
         "{{ messages.append(1) }}",
         "{{ messages[0].role.__class__ }}",
         "{{ '{0.__class__}'.format(messages[0]) }}",
+        "{% macro m(x) %}{{ x.__class__ }}{% endmacro %}{{ m(messages[0]) }}",
+        "{% macro m(x) %}{{ x.update({'role': 'x'}) }}{% endmacro %}{{ m(messages[0]) }}",
+        "{% macro m(f) %}{{ f() }}{% endmacro %}{{ m(messages[0].clear) }}",
     ):
         expected = _render(text, ImmutableSandboxedEnvironment, messages, None)
         assert _render(text, None, messages, None) == expected
