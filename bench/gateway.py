@@ -165,6 +165,23 @@ end
 """
 
 
+def tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` and its live descendants (Linux ``/proc``)."""
+    parents, ticks = {}, {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        child = int(stat.parent.name)
+        parents[child], ticks[child] = int(fields[1]), int(fields[11]) + int(fields[12])
+    tree, frontier = {pid}, [pid]
+    while frontier:
+        frontier = [c for c, p in parents.items() if p in frontier and c not in tree]
+        tree.update(frontier)
+    return sum(ticks.get(p, 0) for p in tree) / os.sysconf("SC_CLK_TCK")
+
+
 def lua_quote(text: str) -> str:
     return json.dumps(text)  # a JSON string of ASCII text is a valid Lua string literal
 
@@ -580,9 +597,12 @@ class Bench:
             self.processes.stop(proc, timeout=10.0)
 
     # --- the sessions workload (bench/sessions_load.py)
-    def agent_loop(self, label: str, kind: str, base: str, key: str, plan, counts=None, **extra):
+    def agent_loop(
+        self, label: str, kind: str, base: str, key: str, plan, counts=None, cpu_pid=None, **extra
+    ):
         """Measure each ``(workload, agents, turns)`` of ``plan`` against ``base``; with
-        ``counts`` (a function returning ``steep_counts``), the rows each cell wrote."""
+        ``counts`` (a function returning ``steep_counts``), the rows each cell wrote; with
+        ``cpu_pid``, the CPU seconds that process and its children used in each cell."""
         last = counts() if counts else None
         for workload, agents, turns in plan:
             config = LoadConfig(
@@ -595,7 +615,10 @@ class Bench:
                 procs=self.args.client_procs,
                 sessions=workload == "episodes",
             )
+            before = tree_cpu_seconds(cpu_pid) if cpu_pid else None
             cell = SessionsCell(label, kind, workload, run_load(config), **extra)
+            if before is not None:
+                cell.server_cpu_s = tree_cpu_seconds(cpu_pid) - before
             if counts:
                 now = counts()
                 delta = {name: now[name] - last[name] for name in now}
@@ -651,6 +674,7 @@ class Bench:
                 server.key,
                 self.plan("episodes", baseline=True, stateless=True),
                 counts=lambda: self.steep_counts(server.env),
+                cpu_pid=server.proc.pid,
                 workers=workers,
                 database=database,
             )

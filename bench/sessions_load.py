@@ -343,6 +343,9 @@ class SessionsCell:
     workers: int = 1
     database: str = ""
     version: str = ""
+    # CPU seconds the server's processes used over the whole cell (Steep on SQLite: all of its
+    # work; on PostgreSQL the database's own processes are not counted)
+    server_cpu_s: float | None = None
 
     def mismatches(self) -> list[str]:
         """Where rows recorded and answers acknowledged differ (empty when they agree)."""
@@ -528,8 +531,14 @@ def verdicts(cells: list[SessionsCell], *, agents: int, turns: int) -> list[str]
             f"{longest.load.rps('turn') / one_turn:.0%}"
         )
         single = find("steep", "episodes", database, k=1)
-        if single is not None and turns > 1:
-            out += _turn_costs(c, single, base, find("steep", "turns", database), mark)
+        measured = sorted(
+            {x.load.turns for x in cells if x.kind == "steep" and x.workload == "episodes"}
+        )
+        for k in sorted((k for k in measured if k > 1), key=lambda k: (k != turns, k)):
+            at_k = find("steep", "episodes", database, k=k)
+            if single is not None and at_k is not None:
+                stateless = find("steep", "turns", database, k=k)
+                out += _turn_costs(at_k, single, base, stateless, mark)
     ceiling = find("direct", "episodes")
     if ceiling:
         out.append(
@@ -565,6 +574,9 @@ def _turn_costs(episodes, single, base, stateless, mark) -> list[str]:
         f"{1000 * turn:.2f} ms = {_num(1 / turn)} turns/s vs {_num(1 / one)} one-turn "
         f"completions/s = {one / turn:.0%} (within 15%: {mark(one / turn >= 0.85)})"
     ]
+    cpu = _cpu_turn_costs(episodes, single, base, stateless)
+    if cpu:
+        lines.append(f"- {episodes.target}, the same from the server's CPU time: {cpu}")
     if stateless is not None and stateless.load.rps("turn"):
         # The same conversations, each turn a one-turn completion re-sending the history:
         # what a turn costs when it carries what a session's turn carries, without the
@@ -576,3 +588,35 @@ def _turn_costs(episodes, single, base, stateless, mark) -> list[str]:
             f"a session's turn runs at {alike / turn:.0%} of that"
         )
     return lines
+
+
+def _cpu_turn_costs(episodes, single, base, stateless) -> str:
+    """``_turn_costs`` from the server's CPU seconds per acknowledged request of each kind
+    over whole cells instead of the window's wall seconds: what the server itself spends,
+    without the client's and the stand-in's share of the same cores (which grows with the
+    conversation's length too). Empty when a cell has no CPU figure."""
+    cells = (episodes, single, base)
+    if any(c.server_cpu_s is None for c in cells) or not base.load.acknowledged.get("turn"):
+        return ""
+    one = base.server_cpu_s / base.load.acknowledged["turn"]
+    n1, nk = single.load.acknowledged, episodes.load.acknowledged
+    controls = sum(n for e, n in n1.items() if e != "turn")
+    if not controls or not nk.get("turn"):
+        return ""
+    control = (single.server_cpu_s - n1.get("turn", 0) * one) / controls
+    turn = (episodes.server_cpu_s - control * sum(n for e, n in nk.items() if e != "turn")) / nk[
+        "turn"
+    ]
+    if control <= 0 or turn <= 0:
+        return ""
+    text = (
+        f"{1000 * one:.3f} ms per one-turn completion, {1000 * control:.3f} ms per "
+        f"start/reward/end, {1000 * turn:.3f} ms per session turn at k={episodes.load.turns}: "
+        f"{one / turn:.0%} of a completion's rate"
+    )
+    if stateless is not None and stateless.server_cpu_s and stateless.load.acknowledged.get("turn"):
+        alike = stateless.server_cpu_s / stateless.load.acknowledged["turn"]
+        text += (
+            f"; {1000 * alike:.3f} ms per stateless turn (session turn at {alike / turn:.0%} of it)"
+        )
+    return text
