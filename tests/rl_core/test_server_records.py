@@ -130,9 +130,20 @@ def test_a_torch_engine_exits_when_its_owner_dies(tmp_path, tiny_model_dir):
         [sys.executable, "-c", owner_code], stdout=subprocess.PIPE, text=True, env=os.environ
     )
     engine = int(owner.stdout.readline())
+
+    def arguments() -> list[str]:
+        return Path(f"/proc/{engine}/cmdline").read_text().split("\0")
+
     try:
-        arguments = Path(f"/proc/{engine}/cmdline").read_text().split("\0")
-        assert arguments[arguments.index("--parent-pid") + 1] == str(owner.pid)
+        # An empty command line is a process that has exited (a zombie its owner has not
+        # reaped): say what it wrote instead of failing on the list.
+        command = arguments()
+        assert "--parent-pid" in command, (
+            command,
+            Path(f"/proc/{engine}/stat").read_text(),
+            (tmp_path / "engine.log").read_text()[-3000:],
+        )
+        assert command[command.index("--parent-pid") + 1] == str(owner.pid)
         owner.kill()
         owner.wait(timeout=10)
         wait_until(lambda: not alive(engine), timeout=60)
