@@ -613,6 +613,7 @@ class Bench:
                 duration=self.args.duration,
                 warmup=self.args.warmup,
                 procs=self.args.client_procs,
+                distinct=self.args.distinct_conversations,
                 sessions=workload == "episodes",
             )
             before = tree_cpu_seconds(cpu_pid) if cpu_pid else None
@@ -697,6 +698,7 @@ class Bench:
                 duration=seconds,
                 warmup=0,
                 procs=self.args.client_procs,
+                distinct=self.args.distinct_conversations,
                 sessions=True,
             )
         )
@@ -888,6 +890,13 @@ def parse_args(argv=None):
         help="sessions: client processes the agents are split over (default 2)",
     )
     p.add_argument(
+        "--distinct-conversations",
+        action="store_true",
+        help="sessions: every episode's first message names its client process and episode, so "
+        "no two conversations are alike and none is served from the prompt cache (default: "
+        "every agent sends the same conversation, as a group of samples of one task does)",
+    )
+    p.add_argument(
         "--targets",
         help="comma list of direct, steep, litellm, sglang-router (default all; sessions: "
         "direct,steep,litellm, where direct is the client's ceiling against the stand-in)",
@@ -1020,6 +1029,8 @@ def main(argv=None) -> int:
             verdict_turns=3 if 3 in args.turns else max(args.turns),
         )
         client = f"aiohttp client in {args.client_procs} processes"
+        if args.distinct_conversations:
+            client += ", every conversation distinct"
     else:
         text = report(bench.results, args.conns, meta)
         client = meta["wrk"]

@@ -28,9 +28,11 @@ target recorded.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import math
 import multiprocessing as mp
+import os
 import queue
 import signal
 import time
@@ -38,6 +40,7 @@ from dataclasses import asdict, dataclass, field
 
 ENDPOINTS = ("start", "turn", "reward", "end")
 QUESTIONS = ["What is 2+2?", "And 3+3?", "And 4+4?", "Add them up.", "Are you sure?"]
+_EPISODES = itertools.count()  # this client process's episodes (--distinct-conversations)
 START_BODY = json.dumps({"task_id": "bench", "metadata": {"bench": "sessions"}}).encode()
 REWARD_BODY = json.dumps({"reward": 1.0}).encode()
 ERROR_SAMPLES = 5  # per process: the first few error answers, for the report
@@ -59,6 +62,7 @@ class LoadConfig:
     max_tokens: int = 8
     timeout: float = 30.0  # seconds per request before it counts as an error
     collect_ids: bool = False  # also send back the ids acknowledged (bench/load.py checks them)
+    distinct: bool = False  # each episode's first message its own (no prompt-cache hits)
 
 
 @dataclass
@@ -287,7 +291,10 @@ async def _episode(call, config: LoadConfig, project: dict, tally: _Tally) -> bo
             return False
         key = json.loads(answer)["api_key"]
         headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
-    messages = [{"role": "user", "content": QUESTIONS[0]}]
+    first = QUESTIONS[0]
+    if config.distinct:  # this process's PID and its episode count: no two alike in the cell
+        first = f"{first} (episode {os.getpid()}-{next(_EPISODES)})"
+    messages = [{"role": "user", "content": first}]
     for turn in range(config.turns):
         if over():
             return False
