@@ -135,8 +135,10 @@ def test_a_torch_engine_exits_when_its_owner_dies(tmp_path, tiny_model_dir):
         return Path(f"/proc/{engine}/cmdline").read_text().split("\0")
 
     try:
-        # An empty command line is a process that has exited (a zombie its owner has not
-        # reaped): say what it wrote instead of failing on the list.
+        # Popen returns once the exec has begun (vfork), not when it is done: for a moment
+        # the new program has no command line yet (seen in a loaded CI lane: state R, 4 kB
+        # mapped, cmdline empty). Wait for it; if it never comes, say what the engine was.
+        wait_until(lambda: arguments() != [""] or not alive(engine), timeout=10)
         command = arguments()
         assert "--parent-pid" in command, (
             command,
