@@ -538,10 +538,8 @@ def verdicts(cells: list[SessionsCell], *, agents: int, turns: int) -> list[str]
             f"{longest.load.rps('turn') / one_turn:.0%}"
         )
         single = find("steep", "episodes", database, k=1)
-        measured = sorted(
-            {x.load.turns for x in cells if x.kind == "steep" and x.workload == "episodes"}
-        )
-        for k in sorted((k for k in measured if k > 1), key=lambda k: (k != turns, k)):
+        measured = {x.load.turns for x in cells if x.kind == "steep" and x.workload == "episodes"}
+        for k in sorted(measured - {1}, key=lambda k: (k != turns, k)):  # the goal's k first
             at_k = find("steep", "episodes", database, k=k)
             if single is not None and at_k is not None:
                 stateless = find("steep", "turns", database, k=k)
@@ -564,17 +562,14 @@ def _turn_costs(episodes, single, base, stateless, mark) -> list[str]:
     k-turn cell then gives its turns' cost, from the requests of each kind the window held
     (agents in step hold more turns than k : 3 at some moments: the counts, not k, decide)."""
     one = 1 / base.load.rps("turn")
-    s1, n1 = single.load, single.load.requests
-    sk, nk = episodes.load, episodes.load.requests
-    controls = sum(n for e, n in n1.items() if e != "turn")
-    if not controls or not nk.get("turn"):
-        return []  # a window without the requests the estimate divides by
-    control = (s1.seconds - n1.get("turn", 0) * one) / controls
-    spent = sk.seconds - control * sum(n for e, n in nk.items() if e != "turn")
-    if control <= 0 or spent <= 0:
-        return []  # not saturated as assumed: no cost to state
-    turn = spent / nk["turn"]
-    k = sk.turns
+    costs = _split_costs(
+        one, single.load.seconds, single.load.requests, episodes.load.seconds,
+        episodes.load.requests,
+    )  # fmt: skip
+    if costs is None:
+        return []
+    control, turn = costs
+    k = episodes.load.turns
     lines = [
         f"- {episodes.target}, a session's chat turn at k={k} (the window's seconds less its "
         f"start/reward/end, {1000 * control:.2f} ms each from k=1, over its turns): "
@@ -597,6 +592,22 @@ def _turn_costs(episodes, single, base, stateless, mark) -> list[str]:
     return lines
 
 
+def _split_costs(one: float, total_1: float, counts_1: dict, total_k: float, counts_k: dict):
+    """(start/reward/end's cost, a turn's cost) from two cells' totals (seconds or CPU
+    seconds) and request counts, a one-turn completion costing ``one``: the k = 1 cell, whose
+    turns cost ``one`` each, gives the control requests' cost; the k cell, less its controls at
+    that cost, gives its turns'. None when a cell lacks the requests it divides by, or the
+    totals are not the sums of costs the split assumes (a cost at or below zero)."""
+    controls = sum(n for e, n in counts_1.items() if e != "turn")
+    if not controls or not counts_k.get("turn"):
+        return None
+    control = (total_1 - counts_1.get("turn", 0) * one) / controls
+    spent = total_k - control * sum(n for e, n in counts_k.items() if e != "turn")
+    if control <= 0 or spent <= 0:
+        return None
+    return control, spent / counts_k["turn"]
+
+
 def _cpu_turn_costs(episodes, single, base, stateless) -> str:
     """``_turn_costs`` from the server's CPU seconds per acknowledged request of each kind
     over whole cells instead of the window's wall seconds: what the server itself spends,
@@ -606,16 +617,13 @@ def _cpu_turn_costs(episodes, single, base, stateless) -> str:
     if any(c.server_cpu_s is None for c in cells) or not base.load.acknowledged.get("turn"):
         return ""
     one = base.server_cpu_s / base.load.acknowledged["turn"]
-    n1, nk = single.load.acknowledged, episodes.load.acknowledged
-    controls = sum(n for e, n in n1.items() if e != "turn")
-    if not controls or not nk.get("turn"):
+    costs = _split_costs(
+        one, single.server_cpu_s, single.load.acknowledged, episodes.server_cpu_s,
+        episodes.load.acknowledged,
+    )  # fmt: skip
+    if costs is None:
         return ""
-    control = (single.server_cpu_s - n1.get("turn", 0) * one) / controls
-    turn = (episodes.server_cpu_s - control * sum(n for e, n in nk.items() if e != "turn")) / nk[
-        "turn"
-    ]
-    if control <= 0 or turn <= 0:
-        return ""
+    control, turn = costs
     text = (
         f"{1000 * one:.3f} ms per one-turn completion, {1000 * control:.3f} ms per "
         f"start/reward/end, {1000 * turn:.3f} ms per session turn at k={episodes.load.turns}: "
