@@ -73,5 +73,25 @@ def test_a_run_started_from_the_dashboard_shows_its_reward_chart_updating(
             "document.querySelector('[data-live=\"status\"]').textContent === 'stopped'",
             timeout=180000,
         )
+    except Exception as exc:  # what the run and the stack were doing when a wait ran out
+        raise AssertionError(f"{exc}\n{run_state(project)}\n{stack.log_tail()}") from exc
     finally:
         context.close()
+
+
+def run_state(project) -> str:
+    from webapp.runs.models import Run
+
+    lines = []
+    for run in Run.objects.filter(project=project):
+        events = [
+            f"  {e.created_at:%H:%M:%S} {e.kind}: {e.message[:200]}" for e in run.events.all()
+        ]
+        lines += [
+            f"run {run.name!r}: status={run.status} step={run.step} job={run.job_id!r} "
+            f"queue_reason={run.queue_reason!r} error={run.error[:500]!r} "
+            f"metrics={run.metrics.count()}",
+            *events,
+            f"job log tail:\n{run.job_log_tail[-3000:]}",
+        ]
+    return "\n".join(lines)
