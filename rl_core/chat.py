@@ -164,7 +164,10 @@ class ChatTokenizer:
         distinct prompts: RL sends one prompt many times (a group of samples per task, the
         same system prompt and task set every epoch), and rendering is deterministic (the
         template sees only the messages, the tools and the special tokens)."""
-        key = orjson.dumps([messages, tools], option=orjson.OPT_SORT_KEYS)
+        try:
+            key = orjson.dumps([messages, tools], option=orjson.OPT_SORT_KEYS)
+        except TypeError:  # what orjson does not take (a tool schema's integer over 64 bits)
+            key = json.dumps([messages, tools], sort_keys=True).encode()
         with self._prompts_lock:
             ids = self._prompts.get(key)
             if ids is not None:

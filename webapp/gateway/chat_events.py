@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import orjson
 
+from webapp.gateway.chat_request import json_bytes
 from webapp.gateway.completions import Reply, chat_completion, in_lane
 from webapp.gateway.errors import GatewayError
 
@@ -91,7 +92,7 @@ async def chat_turn(
         agent_id=agent_id,
         authorization=authorization,
         content_type="application/json",
-        body=orjson.dumps(chat_body),
+        body=json_bytes(chat_body),
         retry_count=retry_count,
         idempotency_key=idempotency_key,
         db=db,

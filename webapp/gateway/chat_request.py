@@ -12,6 +12,16 @@ import orjson
 
 from webapp.gateway.errors import bad_request
 
+
+def json_bytes(value: Any) -> bytes:
+    """``value`` as JSON: orjson's, or the json module's for what orjson does not take (an
+    integer over 64 bits, which a request's tool schema may hold and an answer may echo)."""
+    try:
+        return orjson.dumps(value)
+    except TypeError:
+        return json.dumps(value).encode()
+
+
 ROLES = {"system", "developer", "user", "assistant", "tool"}
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20

@@ -31,6 +31,7 @@ from webapp.gateway.caches import CACHES
 from webapp.gateway.chat_request import (
     ChatRequest,
     check_storable,
+    json_bytes,
     matched_stop,
     parse_chat_request,
     storable_text,
@@ -53,7 +54,7 @@ class Reply:
 
     @classmethod
     def json(cls, payload: dict, status: int = 200) -> Reply:
-        return cls(status, orjson.dumps(payload), headers={"Content-Type": "application/json"})
+        return cls(status, json_bytes(payload), headers={"Content-Type": "application/json"})
 
     @classmethod
     def sse(cls, stream: AsyncIterator[bytes]) -> Reply:

@@ -12,8 +12,6 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
-import orjson
-
 from webapp.gateway.chat_events import (
     ChatEvent,
     Completed,
@@ -22,6 +20,7 @@ from webapp.gateway.chat_events import (
     TextDelta,
     ToolCallDelta,
 )
+from webapp.gateway.chat_request import json_bytes
 
 
 def _suffix(interaction_id: str) -> str:
@@ -151,7 +150,7 @@ class _Stream:
     def event(self, kind: str, **fields: Any) -> bytes:
         payload = {"type": kind, "sequence_number": self.sequence, **fields}
         self.sequence += 1
-        return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
+        return b"event: " + kind.encode() + b"\ndata: " + json_bytes(payload) + b"\n\n"
 
     def on(self, item: ChatEvent):
         if isinstance(item, Started):

@@ -106,17 +106,31 @@ def _insert_statement(model, names: tuple[str, ...]) -> tuple[str, list]:
 def insert(cursor, model, values: dict[str, Any]) -> None:
     """One row of ``model`` from field names to values."""
     statement, fields = _insert_statement(model, tuple(values))
-    sqlite = cursor.db.vendor == "sqlite"
     cursor.execute(
         statement,
         [
-            # SQLite keeps JSON as text: orjson writes the same JSON, several times faster.
-            orjson.dumps(raw).decode()
-            if sqlite and raw is not None and isinstance(field, JSONField)
+            _json(cursor, field, raw)
+            if raw is not None and isinstance(field, JSONField)
             else field.get_db_prep_save(raw, cursor.db)
             for field, raw in ((field, values[field.name]) for field in fields)
         ],
     )
+
+
+def _json(cursor, field: JSONField, raw):
+    """A JSON column's parameter, written by orjson (several times faster than the json
+    module on the growing message and id lists): text for SQLite, which keeps JSON as text;
+    psycopg's ``Jsonb`` for PostgreSQL. What orjson refuses (integers over 64 bits, keys
+    that are not strings) is prepared as the ORM would."""
+    try:
+        data = orjson.dumps(raw)
+    except orjson.JSONEncodeError:
+        return field.get_db_prep_save(raw, cursor.db)
+    if cursor.db.vendor == "sqlite":
+        return data.decode()
+    from psycopg.types.json import Jsonb  # PostgreSQL's driver, loaded only where it is used
+
+    return Jsonb(raw, dumps=lambda _: data)
 
 
 @contextlib.contextmanager
