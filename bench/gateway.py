@@ -604,7 +604,7 @@ class Bench:
         ``counts`` (a function returning ``steep_counts``), the rows each cell wrote; with
         ``cpu_pid``, the CPU seconds that process and its children used in each cell."""
         last = counts() if counts else None
-        for workload, agents, turns in plan:
+        for n, workload, agents, turns in plan:
             config = LoadConfig(
                 base=base,
                 key=key,
@@ -617,7 +617,7 @@ class Bench:
                 sessions=workload == "episodes",
             )
             before = tree_cpu_seconds(cpu_pid) if cpu_pid else None
-            cell = SessionsCell(label, kind, workload, run_load(config), **extra)
+            cell = SessionsCell(label, kind, workload, run_load(config), round=n, **extra)
             if before is not None:
                 cell.server_cpu_s = tree_cpu_seconds(cpu_pid) - before
             if counts:
@@ -644,17 +644,20 @@ class Bench:
 
     def plan(
         self, workload: str, *, baseline: bool = False, stateless: bool = False
-    ) -> list[tuple[str, int, int]]:
-        """Every (agents, turns) cell; with ``baseline``, one-turn completions first at each N;
-        with ``stateless``, also the same conversations as one-turn completions (``turns``,
-        k > 1: each request re-sends the history, as to a peer without sessions)."""
+    ) -> list[tuple[int, str, int, int]]:
+        """Every (round, workload, agents, turns) cell; with ``baseline``, one-turn completions
+        first at each N; with ``stateless``, also the same conversations as one-turn
+        completions (``turns``, k > 1: each request re-sends the history, as to a peer without
+        sessions). With ``--rounds``, Steep's cells are measured that many times over,
+        interleaved (all of round 1, then all of round 2, ...)."""
         cells = []
-        for agents in self.args.agents:
-            if baseline:
-                cells.append(("completions", agents, 1))
-            cells += [(workload, agents, k) for k in self.args.turns]
-            if stateless:
-                cells += [("turns", agents, k) for k in self.args.turns if k > 1]
+        for n in range(self.args.rounds if baseline else 1):
+            for agents in self.args.agents:
+                if baseline:
+                    cells.append((n, "completions", agents, 1))
+                cells += [(n, workload, agents, k) for k in self.args.turns]
+                if stateless:
+                    cells += [(n, "turns", agents, k) for k in self.args.turns if k > 1]
         return cells
 
     def direct_sessions(self) -> None:
@@ -884,6 +887,13 @@ def parse_args(argv=None):
     )
     p.add_argument("--turns", default="1,3,10", help="sessions: turns per episode (default 1,3,10)")
     p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="sessions: measure Steep's cells this many times, interleaved, and judge the goals "
+        "on the medians over the rounds (default 1)",
+    )
+    p.add_argument(
         "--client-procs",
         type=int,
         default=2,
@@ -978,7 +988,9 @@ def main(argv=None) -> int:
         warmup_s=args.warmup,
     )
     if sessions:
-        meta.update(agents=args.agents, turns=args.turns, client_procs=args.client_procs)
+        meta.update(
+            agents=args.agents, turns=args.turns, client_procs=args.client_procs, rounds=args.rounds
+        )
     log(f"run folder {workdir.relative_to(ROOT)}; load average {meta['loadavg_before']}")
 
     # install peers first, so the timed part runs back to back

@@ -35,6 +35,7 @@ import multiprocessing as mp
 import os
 import queue
 import signal
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -353,6 +354,7 @@ class SessionsCell:
     # CPU seconds the server's processes used over the whole cell (Steep on SQLite: all of its
     # work; on PostgreSQL the database's own processes are not counted)
     server_cpu_s: float | None = None
+    round: int = 0  # which pass over the plan measured it (--rounds: cells interleaved)
 
     def mismatches(self) -> list[str]:
         """Where rows recorded and answers acknowledged differ (empty when they agree)."""
@@ -401,16 +403,20 @@ def _ms(x: float) -> str:
 
 def report(cells: list[SessionsCell], *, verdict_agents: int, verdict_turns: int) -> str:
     """The markdown report: the table, rows recorded vs acknowledged, turns by target, verdicts."""
-    head = ["target", "workload", "N", "k", "episodes/s", "req/s"]
+    rounds = len({c.round for c in cells}) > 1
+    head = ["target", *(["round"] if rounds else []), "workload", "N", "k", "episodes/s", "req/s"]
     head += [f"{e} req/s" for e in ENDPOINTS] + [f"{e} p50/p99 ms" for e in ENDPOINTS]
     head += ["errors", "rows = acks"]
     out = [
         "| " + " | ".join(head) + " |",
-        "|" + "|".join(["---"] * 2 + ["---:"] * (len(head) - 2)) + "|",
+        "|"
+        + "|".join(["---"] * (3 if rounds else 2) + ["---:"] * (len(head) - (3 if rounds else 2)))
+        + "|",
     ]
     for c in cells:
         r = c.load
-        row = [c.target, c.workload, str(r.agents), str(r.turns)]
+        row = [c.target, *([str(c.round + 1)] if rounds else []), c.workload]
+        row += [str(r.agents), str(r.turns)]
         row.append(_num(r.episodes_per_s) if c.workload != "completions" else "–")
         row.append(_num(r.rps()))
         row += [_num(r.rps(e)) if e in r.requests else "–" for e in ENDPOINTS]
@@ -471,7 +477,10 @@ def report(cells: list[SessionsCell], *, verdict_agents: int, verdict_turns: int
             out.append("| " + " | ".join(row) + " |")
         out.append("")
 
-    out += verdicts(cells, agents=verdict_agents, turns=verdict_turns)
+    if len({c.round for c in cells}) > 1:
+        out += round_verdicts(cells, agents=verdict_agents, turns=verdict_turns)
+    else:
+        out += verdicts(cells, agents=verdict_agents, turns=verdict_turns)
     samples = [
         f"- {c.target}, N={c.load.agents} k={c.load.turns}: {s}"
         for c in cells
@@ -552,6 +561,119 @@ def verdicts(cells: list[SessionsCell], *, agents: int, turns: int) -> list[str]
         )
     out.append("")
     return out
+
+
+def goal_figures(cells: list[SessionsCell], *, agents: int, turns: int, database: str) -> dict:
+    """The figures the goals judge, from one round's Steep cells on ``database``: the k-turn
+    mix's req/s, worst p99, errors and rows; and per measured k > 1, a session turn's rate
+    over a one-turn completion's from wall time (``_split_costs``) and from the server's CPU.
+    Missing cells leave their figures out."""
+
+    def find(workload: str, k: int):
+        return next(
+            (c for c in cells if c.kind == "steep" and c.workload == workload
+             and c.database == database and c.workers == 1 and c.load.agents == agents
+             and c.load.turns == k),
+            None,
+        )  # fmt: skip
+
+    out: dict = {}
+    mix, base, single = find("episodes", turns), find("completions", 1), find("episodes", 1)
+    if mix is not None:
+        r = mix.load
+        out.update(rps=r.rps(), p99=max(r.p99_ms.values()), errors=sum(r.errors.values()))
+        out["rows_ok"] = not mix.mismatches()
+    if base is None or single is None or not base.load.rps("turn"):
+        return out
+    out["completions_rps"] = base.load.rps("turn")
+    one = 1 / base.load.rps("turn")
+    ks = {c.load.turns for c in cells if c.kind == "steep" and c.workload == "episodes"}
+    for k in sorted(ks - {1}):
+        at_k = find("episodes", k)
+        if at_k is None:
+            continue
+        r1, rk = single.load, at_k.load
+        wall = _split_costs(one, r1.seconds, r1.requests, rk.seconds, rk.requests)
+        if wall is not None:
+            out[f"wall_k{k}"] = one / wall[1]
+        if None not in (base.server_cpu_s, single.server_cpu_s, at_k.server_cpu_s) and (
+            base.load.acknowledged.get("turn")
+        ):
+            cpu_one = base.server_cpu_s / base.load.acknowledged["turn"]
+            cpu = _split_costs(
+                cpu_one, single.server_cpu_s, r1.acknowledged, at_k.server_cpu_s,
+                rk.acknowledged,
+            )  # fmt: skip
+            if cpu is not None:
+                out[f"cpu_k{k}"] = cpu_one / cpu[1]
+    return out
+
+
+def round_verdicts(cells: list[SessionsCell], *, agents: int, turns: int) -> list[str]:
+    """The goals judged on the median of each figure over the rounds (--rounds): each round
+    measured every cell once, in the same order, so a ratio compares cells minutes apart at
+    most, and the median leaves out a round the machine's drift spoiled."""
+    rounds = sorted({c.round for c in cells})
+    out = [
+        f"**Goals over {len(rounds)} rounds ({agents} agents × {turns} turns, 1 web worker):**",
+        "",
+    ]
+    for database, floor in (("sqlite", 1000), ("postgres", 600)):
+        per_round = [
+            goal_figures([c for c in cells if c.round == n], agents=agents, turns=turns,
+                         database=database)
+            for n in rounds
+        ]  # fmt: skip
+        per_round = [f for f in per_round if f]
+        if not per_round:
+            continue
+        keys = [key for key in per_round[0] if key not in ("errors", "rows_ok")]
+        out.append(f"| {database} round | " + " | ".join(_FIGURES.get(k, k) for k in keys) + " |")
+        out.append("|---|" + "---:|" * len(keys))
+        for n, figures in zip(rounds, per_round, strict=False):
+            out.append(
+                f"| {n + 1} | " + " | ".join(_figure(k, figures.get(k)) for k in keys) + " |"
+            )
+        median = {k: statistics.median(f[k] for f in per_round if k in f) for k in keys}
+        out.append("| **median** | " + " | ".join(_figure(k, median[k]) for k in keys) + " |")
+        out.append("")
+        errors = sum(f.get("errors", 0) for f in per_round)
+        rows_ok = all(f.get("rows_ok", True) for f in per_round)
+        line = f"- {database}: median {_num(median.get('rps', 0))} req/s mixed (≥ {floor:,}: "
+        line += f"{_mark(median.get('rps', 0) >= floor)}), {errors} errors in all rounds, rows = "
+        line += f"acks in every round: {_mark(rows_ok)}"
+        if "p99" in median:
+            line += f"; median worst p99 {_ms(median['p99'])} ms (< 300 ms: {_mark(median['p99'] < 300)})"
+        out.append(line)
+        for key in keys:
+            if key.startswith(("wall_k", "cpu_k")):
+                out.append(
+                    f"- {database}: {_FIGURES.get(key, key)}, median {median[key]:.0%} "
+                    f"(within 15%: {_mark(median[key] >= 0.85)})"
+                )
+        out.append("")
+    return out
+
+
+_FIGURES = {
+    "rps": "mixed req/s",
+    "p99": "worst p99 ms",
+    "completions_rps": "completions req/s",
+    **{f"wall_k{k}": f"k={k} turn vs one-turn (wall)" for k in (2, 3, 5, 10, 20)},
+    **{f"cpu_k{k}": f"k={k} turn vs one-turn (CPU)" for k in (2, 3, 5, 10, 20)},
+}
+
+
+def _figure(key: str, value) -> str:
+    if value is None:
+        return "–"
+    if key.startswith(("wall_k", "cpu_k")):
+        return f"{value:.0%}"
+    return _ms(value) if key == "p99" else _num(value)
+
+
+def _mark(ok: bool) -> str:
+    return "PASS" if ok else "FAIL"
 
 
 def _turn_costs(episodes, single, base, stateless, mark) -> list[str]:
