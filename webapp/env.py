@@ -83,7 +83,14 @@ def database_from_url(url: str) -> dict:
             raise ImproperlyConfigured(
                 f"DATABASE_URL {url!r} names no database; add /DBNAME at the end."
             )
-        options = {key: values[-1] for key, values in parse_qs(parsed.query).items()}
+        options: dict = {key: values[-1] for key, values in parse_qs(parsed.query).items()}
+        if "prepare_threshold" in options:  # psycopg takes a number, or None: never prepare
+            value = options["prepare_threshold"].strip().lower()
+            if value not in ("none", "off") and not value.isdigit():
+                raise ImproperlyConfigured(
+                    f"DATABASE_URL's prepare_threshold={value!r}: use a number of runs, or none."
+                )
+            options["prepare_threshold"] = None if value in ("none", "off") else int(value)
         return {
             "ENGINE": "django.db.backends.postgresql",
             "NAME": name,

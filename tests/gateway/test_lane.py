@@ -267,3 +267,43 @@ def test_in_thread_commits_an_operation_or_rolls_all_of_it_back():
     with pytest.raises(GatewayError):
         asyncio.run(in_thread(failing(GatewayError(400, "no"), after_writing="undone-too")))
     assert names() == {"kept"}
+
+
+@pytest.mark.parametrize("threshold", ["default", None], ids=["default", "prepare-threshold-none"])
+def test_on_postgresql_the_lanes_repeated_statements_are_prepared_once(lane, threshold):
+    """PostgreSQL parses and plans a statement the lane runs for every request once per
+    connection (a server-binding cursor; Django's own writes parameters into the text),
+    unless DATABASE_URL says ``prepare_threshold=none`` (PgBouncer in transaction mode)."""
+    if connection.vendor != "postgresql":
+        pytest.skip("SQLite compiles its statements in-process")
+    select = f"SELECT count(*) FROM {_PROJECTS} WHERE name = %s"
+
+    def count(cursor) -> int:
+        cursor.execute(select, ["no such project"])
+        return cursor.fetchone()[0]
+
+    def prepared(cursor) -> list[str]:
+        cursor.execute("SELECT statement FROM pg_prepared_statements")
+        return [row[0] for row in cursor.fetchall()]
+
+    def reconnect(options: dict):
+        def operation(cursor):
+            cursor.db.settings_dict["OPTIONS"] = options
+
+        return operation
+
+    options = dict(connection.settings_dict["OPTIONS"])
+    if threshold is None:  # as database_from_url reads ?prepare_threshold=none
+        asyncio.run(lane.run(reconnect({**options, "prepare_threshold": None})))
+        db = asyncio.run(lane.run(lambda cursor: cursor.db))
+        db.inc_thread_sharing()
+        db.close()  # the lane connects again, with the option
+        db.dec_thread_sharing()
+    try:
+        for _ in range(8):  # psycopg prepares a statement at its fifth run on a connection
+            assert asyncio.run(lane.run(count)) == 0
+        found = asyncio.run(lane.run(prepared))
+    finally:
+        asyncio.run(lane.run(reconnect(options)))
+    ours = [text for text in found if f"FROM {_PROJECTS} WHERE name = $1" in text]
+    assert len(ours) == (0 if threshold is None else 1), found

@@ -104,6 +104,17 @@ def test_database_from_postgres_url():
     assert database_from_url("postgresql://u@h/d")["PORT"] == ""
 
 
+@pytest.mark.parametrize(("given", "taken"), [("none", None), ("OFF", None), ("3", 3)])
+def test_prepare_threshold_in_the_postgres_url_is_what_psycopg_takes(given, taken):
+    db = database_from_url(f"postgres://u@h/d?sslmode=require&prepare_threshold={given}")
+    assert db["OPTIONS"] == {"sslmode": "require", "prepare_threshold": taken}
+
+
+def test_a_prepare_threshold_that_is_no_number_is_refused_by_name():
+    with pytest.raises(ImproperlyConfigured, match="prepare_threshold='soon'"):
+        database_from_url("postgres://u@h/d?prepare_threshold=soon")
+
+
 def test_database_from_sqlite_url():
     db = database_from_url("sqlite:////var/lib/steep/db.sqlite3")
     assert db["ENGINE"] == "django.db.backends.sqlite3"

@@ -127,7 +127,7 @@ class Lane:
         """
         db = connections[DEFAULT_DB_ALIAS]  # this thread's: the lane's own connection
         db.ensure_connection()
-        driver_cursor = db.create_cursor()
+        driver_cursor = _server_binding(db) if db.vendor == "postgresql" else db.create_cursor()
         cursor = RawCursor(driver_cursor, db)
         try:
             if db.vendor == "sqlite":
@@ -206,6 +206,21 @@ class Lane:
         connections[DEFAULT_DB_ALIAS].close()  # reconnect next time (e.g. after a restart)
         self._synchronous = None
         return False, LaneError(f"The database did not accept the write ({type(error).__name__}).")
+
+
+def _server_binding(db):
+    """A psycopg cursor that sends the parameters apart from the statement, unlike Django's
+    (which writes them into its text, in Python, and PostgreSQL parses them back). The
+    lane's statements are a few constant strings, so psycopg also prepares each one on the
+    connection at its fifth run, and PostgreSQL stops parsing and planning it per request,
+    unless DATABASE_URL sets ``prepare_threshold`` (Django's default, None, turns preparing
+    off for its own cursors: a PgBouncer older than 1.21 in transaction mode cannot keep
+    prepared statements: add ``?prepare_threshold=none`` to DATABASE_URL there)."""
+    import psycopg
+
+    if "prepare_threshold" not in db.settings_dict["OPTIONS"]:
+        db.connection.prepare_threshold = 5
+    return psycopg.Cursor(db.connection)
 
 
 class _Unexpected(Exception):
