@@ -25,9 +25,10 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import jinja2
-import orjson
 from jinja2.runtime import Macro
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from rl_core.jsonbytes import json_bytes
 
 TOOL_CALL_RE = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 
@@ -164,10 +165,7 @@ class ChatTokenizer:
         distinct prompts: RL sends one prompt many times (a group of samples per task, the
         same system prompt and task set every epoch), and rendering is deterministic (the
         template sees only the messages, the tools and the special tokens)."""
-        try:
-            key = orjson.dumps([messages, tools], option=orjson.OPT_SORT_KEYS)
-        except TypeError:  # what orjson does not take (a tool schema's integer over 64 bits)
-            key = json.dumps([messages, tools], sort_keys=True).encode()
+        key = json_bytes([messages, tools], sort_keys=True)
         with self._prompts_lock:
             ids = self._prompts.get(key)
             if ids is not None:

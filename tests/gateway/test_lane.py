@@ -286,7 +286,7 @@ def test_on_postgresql_the_lanes_repeated_statements_are_prepared_once(lane, thr
         cursor.execute("SELECT statement FROM pg_prepared_statements")
         return [row[0] for row in cursor.fetchall()]
 
-    def reconnect(options: dict):
+    def use_options(options: dict):
         def operation(cursor):
             cursor.db.settings_dict["OPTIONS"] = options
 
@@ -294,7 +294,7 @@ def test_on_postgresql_the_lanes_repeated_statements_are_prepared_once(lane, thr
 
     options = dict(connection.settings_dict["OPTIONS"])
     if threshold is None:  # as database_from_url reads ?prepare_threshold=none
-        asyncio.run(lane.run(reconnect({**options, "prepare_threshold": None})))
+        asyncio.run(lane.run(use_options({**options, "prepare_threshold": None})))
         db = asyncio.run(lane.run(lambda cursor: cursor.db))
         db.inc_thread_sharing()
         db.close()  # the lane connects again, with the option
@@ -304,6 +304,6 @@ def test_on_postgresql_the_lanes_repeated_statements_are_prepared_once(lane, thr
             assert asyncio.run(lane.run(count)) == 0
         found = asyncio.run(lane.run(prepared))
     finally:
-        asyncio.run(lane.run(reconnect(options)))
+        asyncio.run(lane.run(use_options(options)))
     ours = [text for text in found if f"FROM {_PROJECTS} WHERE name = $1" in text]
     assert len(ours) == (0 if threshold is None else 1), found

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import orjson
 
-from webapp.gateway.chat_request import json_bytes
+from rl_core.jsonbytes import json_bytes
 from webapp.gateway.completions import Reply, chat_completion, in_lane
 from webapp.gateway.errors import GatewayError
 

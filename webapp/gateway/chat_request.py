@@ -8,19 +8,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
-
+from rl_core.jsonbytes import json_bytes
 from webapp.gateway.errors import bad_request
-
-
-def json_bytes(value: Any) -> bytes:
-    """``value`` as JSON: orjson's, or the json module's for what orjson does not take (an
-    integer over 64 bits, which a request's tool schema may hold and an answer may echo)."""
-    try:
-        return orjson.dumps(value)
-    except TypeError:
-        return json.dumps(value).encode()
-
 
 ROLES = {"system", "developer", "user", "assistant", "tool"}
 MAX_N = 16
@@ -72,10 +61,7 @@ class ChatRequest:
                 self.min_p,
             ],
         }
-        try:  # orjson: the same canonical form (sorted keys), several times faster at length
-            canonical = orjson.dumps(payload, option=orjson.OPT_SORT_KEYS, default=str)
-        except TypeError:  # what orjson does not take (integers over 64 bits)
-            canonical = json.dumps(payload, sort_keys=True, default=str).encode()
+        canonical = json_bytes(payload, sort_keys=True, default=str)
         return hashlib.sha256(canonical).hexdigest()
 
     def sampling_params(self, *, max_new_tokens: int, stop_token_ids: list[int]) -> dict:

@@ -23,6 +23,7 @@ import orjson
 
 from rl_core.chat import ChatTemplateError, ChatTokenizer, load_chat_tokenizer, parse_tool_calls
 from rl_core.ids import new_hex
+from rl_core.jsonbytes import json_bytes
 from webapp.accounts.auth import bearer_token
 from webapp.accounts.keys import hash_key
 from webapp.gateway import early as early_start
@@ -31,7 +32,6 @@ from webapp.gateway.caches import CACHES
 from webapp.gateway.chat_request import (
     ChatRequest,
     check_storable,
-    json_bytes,
     matched_stop,
     parse_chat_request,
     storable_text,

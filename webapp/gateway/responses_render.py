@@ -12,6 +12,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
+from rl_core.jsonbytes import json_bytes
 from webapp.gateway.chat_events import (
     ChatEvent,
     Completed,
@@ -20,7 +21,6 @@ from webapp.gateway.chat_events import (
     TextDelta,
     ToolCallDelta,
 )
-from webapp.gateway.chat_request import json_bytes
 
 
 def _suffix(interaction_id: str) -> str:

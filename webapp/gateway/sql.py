@@ -20,6 +20,8 @@ from django.db.models import JSONField
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
+from rl_core.jsonbytes import json_bytes
+
 IN_CHUNK = 500  # ids per ``IN (...)`` list: far below SQLite's variable limit
 
 
@@ -109,7 +111,7 @@ def insert(cursor, model, values: dict[str, Any]) -> None:
     cursor.execute(
         statement,
         [
-            _json(cursor, field, raw)
+            _json(cursor, raw)
             if raw is not None and isinstance(field, JSONField)
             else field.get_db_prep_save(raw, cursor.db)
             for field, raw in ((field, values[field.name]) for field in fields)
@@ -117,15 +119,11 @@ def insert(cursor, model, values: dict[str, Any]) -> None:
     )
 
 
-def _json(cursor, field: JSONField, raw):
-    """A JSON column's parameter, written by orjson (several times faster than the json
-    module on the growing message and id lists): text for SQLite, which keeps JSON as text;
-    psycopg's ``Jsonb`` for PostgreSQL. What orjson refuses (integers over 64 bits, keys
-    that are not strings) is prepared as the ORM would."""
-    try:
-        data = orjson.dumps(raw)
-    except orjson.JSONEncodeError:
-        return field.get_db_prep_save(raw, cursor.db)
+def _json(cursor, raw):
+    """A JSON column's parameter, written by ``json_bytes`` (the ORM writes it with the json
+    module, slower on the growing message and id lists): text for SQLite, which keeps JSON as
+    text; psycopg's ``Jsonb`` for PostgreSQL."""
+    data = json_bytes(raw)
     if cursor.db.vendor == "sqlite":
         return data.decode()
     from psycopg.types.json import Jsonb  # PostgreSQL's driver, loaded only where it is used
