@@ -477,7 +477,7 @@ def report(cells: list[SessionsCell], *, verdict_agents: int, verdict_turns: int
             out.append("| " + " | ".join(row) + " |")
         out.append("")
 
-    if len({c.round for c in cells}) > 1:
+    if rounds:
         out += round_verdicts(cells, agents=verdict_agents, turns=verdict_turns)
     else:
         out += verdicts(cells, agents=verdict_agents, turns=verdict_turns)
@@ -491,26 +491,32 @@ def report(cells: list[SessionsCell], *, verdict_agents: int, verdict_turns: int
     return "\n".join(out)
 
 
+def _find(cells, kind: str, workload: str, agents: int, k: int, database: str = "", workers=1):
+    """The first cell of ``kind``/``workload`` at ``agents`` and ``k`` (any database if empty)."""
+    return next(
+        (
+            c
+            for c in cells
+            if c.kind == kind
+            and c.workload == workload
+            and (not database or c.database == database)
+            and c.workers == workers
+            and c.load.agents == agents
+            and c.load.turns == k
+        ),
+        None,
+    )
+
+
+def _mark(ok: bool) -> str:
+    return "PASS" if ok else "FAIL"
+
+
 def verdicts(cells: list[SessionsCell], *, agents: int, turns: int) -> list[str]:
     """The issue's goals, PASS or FAIL, for the cells this run measured."""
 
     def find(kind: str, workload: str, database: str = "", workers: int = 1, k: int = turns):
-        return next(
-            (
-                c
-                for c in cells
-                if c.kind == kind
-                and c.workload == workload
-                and (not database or c.database == database)
-                and c.workers == workers
-                and c.load.agents == agents
-                and c.load.turns == k
-            ),
-            None,
-        )
-
-    def mark(ok: bool) -> str:
-        return "PASS" if ok else "FAIL"
+        return _find(cells, kind, workload, agents, k, database, workers)
 
     out = [f"**Goals ({agents} agents × {turns} turns, 1 web worker):**", ""]
     for database, floor in (("sqlite", 1000), ("postgres", 600)):
@@ -522,10 +528,10 @@ def verdicts(cells: list[SessionsCell], *, agents: int, turns: int) -> list[str]
         slowest = max(r.p99_ms, key=r.p99_ms.get)
         errors = sum(r.errors.values())
         out.append(
-            f"- {c.target}: {_num(r.rps())} req/s mixed (≥ {floor:,}: {mark(r.rps() >= floor)}); "
-            f"worst p99 {_ms(worst)} ms, {slowest} (< 300 ms: {mark(worst < 300)}); "
-            f"{errors} errors ({mark(errors == 0)}); rows = acks: "
-            f"{mark(not c.mismatches())}{'' if not c.mismatches() else ' (' + '; '.join(c.mismatches()) + ')'}"
+            f"- {c.target}: {_num(r.rps())} req/s mixed (≥ {floor:,}: {_mark(r.rps() >= floor)}); "
+            f"worst p99 {_ms(worst)} ms, {slowest} (< 300 ms: {_mark(worst < 300)}); "
+            f"{errors} errors ({_mark(errors == 0)}); rows = acks: "
+            f"{_mark(not c.mismatches())}{'' if not c.mismatches() else ' (' + '; '.join(c.mismatches()) + ')'}"
         )
     for database in ("sqlite", "postgres"):
         c, base = find("steep", "episodes", database), find("steep", "completions", database, k=1)
@@ -541,7 +547,7 @@ def verdicts(cells: list[SessionsCell], *, agents: int, turns: int) -> list[str]
         out.append(
             f"- {c.target}, turns at k={turns} vs one-turn completions, {agents} agents, same client: "
             f"{_num(c.load.rps('turn'))} / {_num(one_turn)} req/s = {ratio:.0%} "
-            f"(within 15%: {mark(ratio >= 0.85)}). For reading it: the k={turns} mix's requests of "
+            f"(within 15%: {_mark(ratio >= 0.85)}). For reading it: the k={turns} mix's requests of "
             f"every kind, {_num(c.load.rps())} req/s = {c.load.rps() / one_turn:.0%} of the completions'; "
             f"at k={longest.load.turns}, turns {_num(longest.load.rps('turn'))} req/s = "
             f"{longest.load.rps('turn') / one_turn:.0%}"
@@ -552,7 +558,7 @@ def verdicts(cells: list[SessionsCell], *, agents: int, turns: int) -> list[str]
             at_k = find("steep", "episodes", database, k=k)
             if single is not None and at_k is not None:
                 stateless = find("steep", "turns", database, k=k)
-                out += _turn_costs(at_k, single, base, stateless, mark)
+                out += _turn_costs(at_k, single, base, stateless)
     ceiling = find("direct", "episodes")
     if ceiling:
         out.append(
@@ -570,12 +576,7 @@ def goal_figures(cells: list[SessionsCell], *, agents: int, turns: int, database
     Missing cells leave their figures out."""
 
     def find(workload: str, k: int):
-        return next(
-            (c for c in cells if c.kind == "steep" and c.workload == workload
-             and c.database == database and c.workers == 1 and c.load.agents == agents
-             and c.load.turns == k),
-            None,
-        )  # fmt: skip
+        return _find(cells, "steep", workload, agents, k, database)
 
     out: dict = {}
     mix, base, single = find("episodes", turns), find("completions", 1), find("episodes", 1)
@@ -596,16 +597,10 @@ def goal_figures(cells: list[SessionsCell], *, agents: int, turns: int, database
         wall = _split_costs(one, r1.seconds, r1.requests, rk.seconds, rk.requests)
         if wall is not None:
             out[f"wall_k{k}"] = one / wall[1]
-        if None not in (base.server_cpu_s, single.server_cpu_s, at_k.server_cpu_s) and (
-            base.load.acknowledged.get("turn")
-        ):
-            cpu_one = base.server_cpu_s / base.load.acknowledged["turn"]
-            cpu = _split_costs(
-                cpu_one, single.server_cpu_s, r1.acknowledged, at_k.server_cpu_s,
-                rk.acknowledged,
-            )  # fmt: skip
-            if cpu is not None:
-                out[f"cpu_k{k}"] = cpu_one / cpu[1]
+        cpu = _cpu_split(at_k, single, base)
+        if cpu is not None:
+            cpu_one, _, cpu_turn = cpu
+            out[f"cpu_k{k}"] = cpu_one / cpu_turn
     return out
 
 
@@ -628,7 +623,7 @@ def round_verdicts(cells: list[SessionsCell], *, agents: int, turns: int) -> lis
         if not per_round:
             continue
         keys = [key for key in per_round[0] if key not in ("errors", "rows_ok")]
-        out.append(f"| {database} round | " + " | ".join(_FIGURES.get(k, k) for k in keys) + " |")
+        out.append(f"| {database} round | " + " | ".join(_label(k) for k in keys) + " |")
         out.append("|---|" + "---:|" * len(keys))
         for n, figures in zip(rounds, per_round, strict=False):
             out.append(
@@ -648,20 +643,22 @@ def round_verdicts(cells: list[SessionsCell], *, agents: int, turns: int) -> lis
         for key in keys:
             if key.startswith(("wall_k", "cpu_k")):
                 out.append(
-                    f"- {database}: {_FIGURES.get(key, key)}, median {median[key]:.0%} "
+                    f"- {database}: {_label(key)}, median {median[key]:.0%} "
                     f"(within 15%: {_mark(median[key] >= 0.85)})"
                 )
         out.append("")
     return out
 
 
-_FIGURES = {
-    "rps": "mixed req/s",
-    "p99": "worst p99 ms",
-    "completions_rps": "completions req/s",
-    **{f"wall_k{k}": f"k={k} turn vs one-turn (wall)" for k in (2, 3, 5, 10, 20)},
-    **{f"cpu_k{k}": f"k={k} turn vs one-turn (CPU)" for k in (2, 3, 5, 10, 20)},
-}
+_FIGURES = {"rps": "mixed req/s", "p99": "worst p99 ms", "completions_rps": "completions req/s"}
+
+
+def _label(key: str) -> str:
+    """A figure's column name: ``wall_k10`` -> "k=10 turn vs one-turn (wall)"."""
+    if key in _FIGURES:
+        return _FIGURES[key]
+    source, _, k = key.partition("_k")
+    return f"k={k} turn vs one-turn ({'wall' if source == 'wall' else 'CPU'})"
 
 
 def _figure(key: str, value) -> str:
@@ -672,11 +669,7 @@ def _figure(key: str, value) -> str:
     return _ms(value) if key == "p99" else _num(value)
 
 
-def _mark(ok: bool) -> str:
-    return "PASS" if ok else "FAIL"
-
-
-def _turn_costs(episodes, single, base, stateless, mark) -> list[str]:
+def _turn_costs(episodes, single, base, stateless) -> list[str]:
     """What one chat turn of a session costs the server, from cells where it is saturated (the
     client's ceiling is several times higher), so each cell's seconds are the sum of its
     requests' costs. A one-turn completion costs 1 / its rate; a session's first turn costs
@@ -696,7 +689,7 @@ def _turn_costs(episodes, single, base, stateless, mark) -> list[str]:
         f"- {episodes.target}, a session's chat turn at k={k} (the window's seconds less its "
         f"start/reward/end, {1000 * control:.2f} ms each from k=1, over its turns): "
         f"{1000 * turn:.2f} ms = {_num(1 / turn)} turns/s vs {_num(1 / one)} one-turn "
-        f"completions/s = {one / turn:.0%} (within 15%: {mark(one / turn >= 0.85)})"
+        f"completions/s = {one / turn:.0%} (within 15%: {_mark(one / turn >= 0.85)})"
     ]
     cpu = _cpu_turn_costs(episodes, single, base, stateless)
     if cpu:
@@ -730,22 +723,30 @@ def _split_costs(one: float, total_1: float, counts_1: dict, total_k: float, cou
     return control, spent / counts_k["turn"]
 
 
-def _cpu_turn_costs(episodes, single, base, stateless) -> str:
-    """``_turn_costs`` from the server's CPU seconds per acknowledged request of each kind
-    over whole cells instead of the window's wall seconds: what the server itself spends,
-    without the client's and the stand-in's share of the same cores (which grows with the
-    conversation's length too). Empty when a cell has no CPU figure."""
+def _cpu_split(episodes, single, base):
+    """(a one-turn completion's, start/reward/end's, a session turn's) server CPU seconds,
+    from the cells' CPU over their acknowledged requests (``_split_costs``); None when a
+    cell has no CPU figure or the split fails."""
     cells = (episodes, single, base)
     if any(c.server_cpu_s is None for c in cells) or not base.load.acknowledged.get("turn"):
-        return ""
+        return None
     one = base.server_cpu_s / base.load.acknowledged["turn"]
     costs = _split_costs(
         one, single.server_cpu_s, single.load.acknowledged, episodes.server_cpu_s,
         episodes.load.acknowledged,
     )  # fmt: skip
+    return None if costs is None else (one, *costs)
+
+
+def _cpu_turn_costs(episodes, single, base, stateless) -> str:
+    """``_turn_costs`` from the server's CPU seconds per acknowledged request of each kind
+    over whole cells instead of the window's wall seconds: what the server itself spends,
+    without the client's and the stand-in's share of the same cores (which grows with the
+    conversation's length too). Empty when a cell has no CPU figure."""
+    costs = _cpu_split(episodes, single, base)
     if costs is None:
         return ""
-    control, turn = costs
+    one, control, turn = costs
     text = (
         f"{1000 * one:.3f} ms per one-turn completion, {1000 * control:.3f} ms per "
         f"start/reward/end, {1000 * turn:.3f} ms per session turn at k={episodes.load.turns}: "
