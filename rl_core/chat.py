@@ -107,6 +107,7 @@ class ChatTokenizer:
     eos_token_ids: list[int]
     path: str
     byte_level: bool = False  # the decoder is ByteLevel's alone (see joins)
+    special_ids: frozenset[int] = frozenset()  # ids of the special added tokens
     # render + encode, memoized (see encode_messages)
     _prompts: OrderedDict = field(default_factory=OrderedDict, repr=False, compare=False)
     _prompts_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
@@ -139,6 +140,9 @@ class ChatTokenizer:
             eos_token_ids=_eos_ids(root, tokenizer, specials["eos_token"]),
             path=str(root),
             byte_level=isinstance(tokenizer.decoder, decoders.ByteLevel),
+            special_ids=frozenset(
+                i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special
+            ),
         )
 
     def render(

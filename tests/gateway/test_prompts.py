@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from rl_core.chat import ChatTokenizer
 from webapp.gateway.prompts import PreviousTurn, build_prompt
 
@@ -71,6 +73,41 @@ def test_an_answer_the_template_writes_differently_is_rendered_afresh(chat_token
     prompt = build_prompt(tok, next_messages, None, previous)
     assert not prompt.reused and prompt.chosen == 0
     assert prompt.input_ids == tok.encode(tok.render(next_messages))
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        ["ab", "<|pad|>", "c"],  # inside the answer
+        ["ab", "<|im_start|>", "<|pad|>", "c", "<|im_end|>"],  # two, then the stop token
+        ["abc", "<|pad|>"],  # the last token of an answer cut at max_tokens
+        ["<|pad|>", "abc"],  # the first
+    ],
+)
+def test_special_tokens_the_reply_left_out_stay_in_the_ids(chat_tokenizer, answer):
+    """A special token the model generated that the reply skipped (the engine decodes with
+    skip_special_tokens) is not in the agent's echo: the prompt still continues the
+    exact ids, and reads as the template's rendering plus what the model produced."""
+    tok = chat_tokenizer
+    messages = [SYSTEM, {"role": "user", "content": "2+2?"}]
+    prompt, previous, _ = turn(tok, messages, None, "")
+    output_ids = [i for piece in answer for i in tok.encode(piece)]
+    assert tok.special_ids.intersection(output_ids)
+    shown = {"role": "assistant", "content": tok.decode(output_ids)}
+    assert shown["content"] == "abc"
+    previous.choices[0] = {"output_ids": output_ids, "message": shown}
+    next_messages = [*messages, shown, {"role": "user", "content": "Sure?"}]
+
+    extended = build_prompt(tok, next_messages, None, previous)
+
+    assert extended.reused and extended.chosen == 0
+    seen = prompt.input_ids + output_ids
+    assert extended.input_ids[: len(seen)] == seen
+    rendered = tok.render(next_messages)
+    rest = tok.decode(extended.input_ids[len(seen) :], skip_special_tokens=False)
+    assert rendered.endswith(rest) and rest.startswith(
+        "\n" if answer[-1] == "<|im_end|>" else "<|im_end|>"
+    )
 
 
 class _DecodeSpy:

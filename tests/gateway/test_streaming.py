@@ -33,6 +33,11 @@ def _slow(engine, seconds: float = 0.05):
         httpx.post(engine.url + "/slow_down", json={"forward_sleep_time": None}, timeout=30)
 
 
+# A stream a client leaves after its first event: greedy, since a sampled stop token could
+# end it before the client goes.
+LONG_STREAM = {"max_tokens": 400, "temperature": 0, "stream": True}
+
+
 def _wait_for(condition, what: str, timeout: float = 60.0):
     # A bound on how long to wait for an event, not a measure of speed.
     deadline = time.monotonic() + timeout
@@ -135,7 +140,7 @@ def test_a_client_that_goes_away_mid_stream_aborts_the_engine_request_and_the_tu
     messages = [*HI, first.choices[0].message.model_dump(exclude_none=True)]
     messages.append({"role": "user", "content": "Go on."})
     aborted_before = _engine_state(engine)["num_aborted_reqs"]
-    body = {"model": gw.model, "messages": messages, "max_tokens": 400, "stream": True}
+    body = {"model": gw.model, "messages": messages, **LONG_STREAM}
     with _slow(engine):
         # Gone after the first event, while the engine still generates (400 slow tokens).
         interaction_id = _leave_after_first_event(http, gw, body, key)
@@ -166,7 +171,7 @@ def test_a_retry_after_an_aborted_turn_continues_the_same_trajectory(gw, engine,
     first = client.chat.completions.create(model=gw.model, messages=HI, max_tokens=4, seed=1)
     messages = [*HI, first.choices[0].message.model_dump(exclude_none=True)]
     messages.append({"role": "user", "content": "Go on."})
-    body = {"model": gw.model, "messages": messages, "max_tokens": 400, "stream": True}
+    body = {"model": gw.model, "messages": messages, **LONG_STREAM}
     with _slow(engine):
         aborted_id = _leave_after_first_event(http, gw, body, key)
         _wait_for(lambda: Interaction.objects.filter(pk=aborted_id).first(), "the aborted turn")
@@ -236,7 +241,7 @@ def test_n_streamed_choices_each_record_what_was_streamed_for_them(gw, chat_toke
 
 def test_a_client_gone_mid_stream_of_n_choices_aborts_each_of_them(gw, engine, http):
     aborted_before = _engine_state(engine)["num_aborted_reqs"]
-    body = {"model": gw.model, "messages": HI, "max_tokens": 400, "n": 2, "stream": True}
+    body = {"model": gw.model, "messages": HI, "n": 2, **LONG_STREAM}
     with _slow(engine):
         interaction_id = _leave_after_first_event(http, gw, body, gw.key)
         turn = _wait_for(
@@ -282,7 +287,7 @@ def test_djangos_route_also_aborts_a_stream_whose_client_went_away(gw, engine):
     from django.core.asgi import get_asgi_application
 
     session_id, key = gw.start_session()
-    body = {"model": gw.model, "messages": HI, "max_tokens": 400, "stream": True}
+    body = {"model": gw.model, "messages": HI, **LONG_STREAM}
     sent: list[dict] = []
 
     async def call() -> None:
@@ -340,7 +345,7 @@ def test_djangos_route_also_aborts_a_stream_whose_client_went_away(gw, engine):
 def test_a_one_turn_stream_whose_client_left_ends_dropped_and_gives_its_slot_back(gw, engine, http):
     from webapp.runs.models import Run
 
-    body = {"model": gw.model, "messages": HI, "max_tokens": 400, "stream": True}
+    body = {"model": gw.model, "messages": HI, **LONG_STREAM}
     with _slow(engine):
         # The project key: a one-turn session
         interaction_id = _leave_after_first_event(http, gw, body, gw.key)

@@ -245,7 +245,9 @@ async def test_resume_budget_exhausted_reports_abort(updatable_engine):
         await client.slow_down(0.03)
         try:
             start = await _tokens_so_far(client)
-            task = asyncio.create_task(client.generate(PROMPT, {"max_new_tokens": 200}))
+            task = asyncio.create_task(
+                client.generate(PROMPT, {"max_new_tokens": 200, "ignore_eos": True})
+            )
             await _wait_generated(client, 2, start)
             await client.abort_request(abort_all=True)
             result = await asyncio.wait_for(task, 10)

@@ -409,7 +409,8 @@ async def test_abort_request_by_rid(slow_engine):
     url = slow_engine.url
     body = {
         "input_ids": PROMPT,
-        "sampling_params": {"max_new_tokens": 300},
+        # Sampled: ignore_eos keeps it running until aborted, whatever it samples.
+        "sampling_params": {"max_new_tokens": 300, "ignore_eos": True},
         "rid": "steep-abort-me",
         "return_logprob": True,
     }
@@ -429,7 +430,7 @@ async def _running(url: str) -> bool:
 
 async def test_disconnected_client_frees_its_request(slow_engine):
     url = slow_engine.url
-    task = asyncio.create_task(generate(url, PROMPT, max_new_tokens=300))
+    task = asyncio.create_task(generate(url, PROMPT, max_new_tokens=300, ignore_eos=True))
     await wait_for(lambda: _running(url))
     task.cancel()  # closes the connection
 

@@ -97,6 +97,8 @@ def extend_prompt(
     # As stored and returned: a generated NUL reads as U+FFFD in the answer the agent echoes.
     seen = storable_text(decoded)
     full = tok.render(messages, tools=tools, add_generation_prompt=True)
+    if not full.startswith(seen) and tok.special_ids.intersection(output_ids):
+        seen = storable_text(shown_text(tok, previous, output_ids, full))
     if not full.startswith(seen):
         return Prompt(input_ids=tok.encode(full), reused=False, chosen=chosen)
     added = tok.encode(full[len(seen) :])
@@ -105,3 +107,24 @@ def extend_prompt(
         text = decoded + tok.decode(added, skip_special_tokens=False)
         tok.remember_text(key, len(input_ids), text)
     return Prompt(input_ids=input_ids, reused=True, chosen=chosen)
+
+
+def shown_text(tok: ChatTokenizer, previous: PreviousTurn, output_ids: list[int], full: str) -> str:
+    """The previous prompt's text and the answer's as the agent saw it, for ``full`` to begin with.
+
+    A special token the model generated is in the reply only where the rendering writes it
+    too (the end of turn it stopped at); anywhere else the reply left it out, as SGLang
+    skips special tokens, so the agent's echo renders without it. It is left out of this
+    text, not out of the ids: the next prompt holds what the model produced.
+    """
+    text = tok.decode_continued(previous.key, previous.input_ids, [])
+    run: list[int] = []
+    for token in [*output_ids, None]:
+        if token is not None and token not in tok.special_ids:
+            run.append(token)
+            continue
+        text += tok.decode(run, skip_special_tokens=False)
+        run = []
+        if token is not None and full.startswith(piece := tok.token_text(token), len(text)):
+            text += piece
+    return text
