@@ -49,7 +49,10 @@ def _post(gw, body=None, *, content: str | None = None, headers: dict | None = N
 
 
 def test_a_message_is_a_recorded_chat_turn_rewardable_by_its_id(gw, chat_tokenizer):
-    message = _client(gw).messages.create(model=gw.model, max_tokens=8, messages=HI)
+    # Greedy: a sampled stop token first would leave no text block.
+    message = _client(gw).messages.create(
+        model=gw.model, max_tokens=8, messages=HI, extra_body=GREEDY
+    )
 
     interaction = Interaction.objects.select_related("session").get(pk=message.id)
     out = interaction.outputs[0]

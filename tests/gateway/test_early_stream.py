@@ -37,7 +37,14 @@ async def _running_soon(engine, deadline_s: float = 10.0) -> bool:
 
 
 def _stream(gw, db=completions.in_lane, max_tokens: int = 4):
-    body = {"model": gw.model, "messages": HI, "max_tokens": max_tokens, "stream": True}
+    # Greedy: a sampled stop token could end it before it is seen running or aborted.
+    body = {
+        "model": gw.model,
+        "messages": HI,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+    }
 
     async def call():
         reply = await completions.chat_completion(

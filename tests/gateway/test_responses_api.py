@@ -14,7 +14,10 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 
 def test_a_response_is_a_recorded_chat_turn_rewardable_by_its_id(gw, chat_tokenizer):
-    response = gw.openai().responses.create(model=gw.model, input="Hi", max_output_tokens=8)
+    # Greedy: a sampled stop token first would leave no message item.
+    response = gw.openai().responses.create(
+        model=gw.model, input="Hi", max_output_tokens=8, temperature=0
+    )
 
     interaction = Interaction.objects.select_related("session").get(pk=response.id)
     out = interaction.outputs[0]

@@ -132,7 +132,7 @@ def test_an_attempt_that_may_be_retried_holds_a_marker_while_it_generates(
     key = {"Idempotency-Key": "agent-9-step-2"}
     marker = _marker(gw, key["Idempotency-Key"])
     with _slow(engine), ThreadPoolExecutor(1) as pool:
-        attempt = _ask(pool, a, key)
+        attempt = _ask(pool, a, key, seed=3)  # seeded: still generating when looked at
         _until_generating(engine)
         held = shared_redis.exists(marker)
         ttl_ms = shared_redis.pttl(marker)
@@ -146,7 +146,7 @@ def test_a_request_no_client_will_retry_writes_nothing_to_redis(
 ):
     # A plain HTTP client (no retry mark, no Idempotency-Key) pays no Redis round trip.
     a = _on(gw, two_web_processes[0])
-    body = {"model": gw.model, "messages": HI, "max_tokens": 6}
+    body = {"model": gw.model, "messages": HI, "max_tokens": 6, "seed": 3}
     with _slow(engine), ThreadPoolExecutor(1) as pool:
         attempt = pool.submit(a.post, "/chat/completions", body)
         _until_generating(engine)

@@ -161,7 +161,13 @@ def test_the_engine_on_cuda_reports_the_logprobs_of_a_cpu_forward(tiny):
     bodies = {
         f"r{i}": {
             "input_ids": prompt,
-            "sampling_params": {"max_new_tokens": 12, "temperature": 1.0, "sampling_seed": i},
+            # ignore_eos: a seed picked on CPU logits may sample a stop token on CUDA's.
+            "sampling_params": {
+                "max_new_tokens": 12,
+                "temperature": 1.0,
+                "sampling_seed": i,
+                "ignore_eos": True,
+            },
         }
         for i, prompt in enumerate(PROMPTS)  # three lengths: a right-padded batched prefill
     }

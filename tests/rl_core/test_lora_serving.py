@@ -362,7 +362,9 @@ async def test_fair_share_weights_are_set_over_http_and_runs_are_counted_in_serv
     async with InferenceClient(url) as client:
         await client.load_lora_adapter("run-a-v3", str(adapters["a"]))
         try:
-            await client.generate(PROMPT, {"max_new_tokens": 5}, lora_path="run-a-v3")
+            await client.generate(
+                PROMPT, {"max_new_tokens": 5, "ignore_eos": True}, lora_path="run-a-v3"
+            )
         finally:
             await client.unload_lora_adapter("run-a-v3")
     async with httpx.AsyncClient(timeout=60) as http:

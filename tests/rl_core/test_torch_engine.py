@@ -560,7 +560,7 @@ def test_a_failure_after_a_batched_prefill_aborts_its_requests_and_the_engine_se
         body = {
             "input_ids": PROMPT[: 3 + len(rid)],
             "rid": rid,
-            "sampling_params": {"max_new_tokens": 3},
+            "sampling_params": {"max_new_tokens": 3, "ignore_eos": True},
         }
         req = parse_generate_request(body, tokenizer=tokenizer, vocab_size=engine.vocab_size)
 
