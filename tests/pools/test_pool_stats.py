@@ -30,10 +30,13 @@ def _adapter(base: Path, out: Path) -> Path:
     return out
 
 
-@pytest.fixture
-def engine(tiny_model_dir, tmp_path):
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir, tmp_path_factory):
+    """One engine for the module (a start is seconds of CPU): the first test loads an adapter
+    into it, the last sets fair-share weights; neither looks at what the other left."""
+    log = tmp_path_factory.mktemp("pool-engine") / "e.log"
     server = TorchEngineServer(
-        tiny_model_dir, host="127.0.0.1", num_threads=1, lora_rank=8, log_path=tmp_path / "e.log"
+        tiny_model_dir, host="127.0.0.1", num_threads=1, lora_rank=8, log_path=log
     )
     server.start()
     try:
