@@ -670,25 +670,30 @@ class Bench:
         )
 
     def steep_sessions(self, database: str, workers: int) -> None:
-        with self.steep_server(database, workers) as server:
-            self.agent_loop(
-                server.label,
-                "steep",
-                server.base,
-                server.key,
-                self.plan("episodes", baseline=True, stateless=True),
-                counts=lambda: self.steep_counts(server.env),
-                cpu_pid=server.proc.pid,
-                workers=workers,
-                database=database,
-            )
-            if self.args.profile:
-                for turns in sorted({min(self.args.turns), max(self.args.turns)}):
-                    self.spy(
-                        server.proc,
-                        f"{server.name}-episodes-k{turns}",
-                        lambda seconds, k=turns: self.unmeasured_load(server, k, seconds),
-                    )
+        """Steep's cells; with ``--fresh-database`` each on a Steep set up anew (migrations,
+        key, run, agent), so no cell runs on the rows the cells before it wrote."""
+        plan = self.plan("episodes", baseline=True, stateless=True)
+        groups = [[cell] for cell in plan] if self.args.fresh_database else [plan]
+        for number, cells in enumerate(groups, 1):
+            with self.steep_server(database, workers) as server:
+                self.agent_loop(
+                    server.label,
+                    "steep",
+                    server.base,
+                    server.key,
+                    cells,
+                    counts=lambda server=server: self.steep_counts(server.env),
+                    cpu_pid=server.proc.pid,
+                    workers=workers,
+                    database=database,
+                )
+                if self.args.profile and number == len(groups):
+                    for turns in sorted({min(self.args.turns), max(self.args.turns)}):
+                        self.spy(
+                            server.proc,
+                            f"{server.name}-episodes-k{turns}",
+                            lambda seconds, k=turns: self.unmeasured_load(server, k, seconds),
+                        )
 
     def unmeasured_load(self, server: SteepServer, turns: int, seconds: float) -> None:
         """The largest N's episodes at ``turns`` for ``seconds``, results discarded (profiling)."""
@@ -907,6 +912,13 @@ def parse_args(argv=None):
         "every agent sends the same conversation, as a group of samples of one task does)",
     )
     p.add_argument(
+        "--fresh-database",
+        action="store_true",
+        help="sessions: set Steep up anew (database, key, run, agent) for every cell, so every "
+        "cell starts on an empty database (default: one Steep serves all of a database's cells, "
+        "each on the rows the ones before it wrote)",
+    )
+    p.add_argument(
         "--targets",
         help="comma list of direct, steep, litellm, sglang-router (default all; sessions: "
         "direct,steep,litellm, where direct is the client's ceiling against the stand-in)",
@@ -989,7 +1001,11 @@ def main(argv=None) -> int:
     )
     if sessions:
         meta.update(
-            agents=args.agents, turns=args.turns, client_procs=args.client_procs, rounds=args.rounds
+            agents=args.agents,
+            turns=args.turns,
+            client_procs=args.client_procs,
+            rounds=args.rounds,
+            fresh_database=args.fresh_database,
         )
     log(f"run folder {workdir.relative_to(ROOT)}; load average {meta['loadavg_before']}")
 
@@ -1043,6 +1059,8 @@ def main(argv=None) -> int:
         client = f"aiohttp client in {args.client_procs} processes"
         if args.distinct_conversations:
             client += ", every conversation distinct"
+        if args.fresh_database:
+            client += ", every Steep cell on a fresh database"
     else:
         text = report(bench.results, args.conns, meta)
         client = meta["wrk"]
