@@ -302,7 +302,8 @@ async def _generate_and_record(
             **record,
         )
     )
-    return recorded
+    turns.remember(turn, recorded)  # committed: the session's next turn may start from it
+    return recorded.response
 
 
 async def _prompt(

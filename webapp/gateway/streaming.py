@@ -375,7 +375,7 @@ class CompletionStream:
         args = dict(self.record_args)
         if aborted:
             args["request_hash"] = ABORTED_REQUEST_HASH
-        await self.db(
+        recorded = await self.db(
             turns.record(
                 turn=self.turn,
                 interaction_id=self.interaction_id,
@@ -386,6 +386,7 @@ class CompletionStream:
                 **args,
             )
         )
+        turns.remember(self.turn, recorded)  # committed: the session's next turn may start from it
         return response
 
     async def _abort(self) -> None:

@@ -36,6 +36,7 @@ from webapp.agents.models import Agent
 from webapp.gateway import admission, lifecycle, sql
 from webapp.gateway.chat_request import normalize_message
 from webapp.gateway.errors import GatewayError
+from webapp.gateway.last_turns import LAST_TURNS, KnownTurn
 from webapp.gateway.models import Interaction, Session
 from webapp.gateway.prompts import PreviousTurn, continued_choice
 from webapp.runs.models import Run
@@ -47,12 +48,16 @@ _SESSIONS, _INTERACTIONS = Session._meta.db_table, Interaction._meta.db_table
 _RUN_COLUMNS = "r.id, r.name, r.status, r.weight_version, r.config, r.base_model, r.created_at"
 
 
-def _session_key_statement(last_turn: bool) -> str:
-    """The session key's session, agent and run; with ``last_turn``, the session's last turn."""
+def _session_key_statement(last_turn: bool, known: bool = False) -> str:
+    """The session key's session, agent and run; with ``last_turn``, the session's last turn;
+    with ``known``, only when the session is not the one of the first parameter at the turn
+    count of the second (a turn this process holds: ``webapp.gateway.last_turns``)."""
     turn_columns = ", t.request_hash, t.messages, t.tools, t.input_ids, t.outputs, t.response, t.id"
     turn_join = (
         f" LEFT JOIN {_INTERACTIONS} t ON t.session_id = s.id AND t.turn = s.interaction_count - 1"
     )
+    if known:
+        turn_join += " AND NOT (s.id = %s AND s.interaction_count = %s)"
     return (
         f"SELECT s.id, s.status, s.server_url, s.interaction_count, s.agent_id, a.name,"
         f" a.project_id, {_RUN_COLUMNS}{turn_columns if last_turn else ''} FROM {_SESSIONS} s"
@@ -61,7 +66,12 @@ def _session_key_statement(last_turn: bool) -> str:
     )
 
 
-_SESSION_KEY = {False: _session_key_statement(False), True: _session_key_statement(True)}
+# (last turn, a copy of it known) → statement
+_SESSION_KEY = {
+    (False, False): _session_key_statement(False),
+    (True, False): _session_key_statement(True),
+    (True, True): _session_key_statement(True, known=True),
+}
 
 
 @dataclass(frozen=True)
@@ -90,6 +100,7 @@ class Caller:
     session_turns: int = 0
     # request_hash, messages, tools, input_ids, outputs, response, id
     last_turn: tuple | None = None
+    known_turn: KnownTurn | None = None  # the last turn as this process recorded it
 
 
 @dataclass(frozen=True)
@@ -142,15 +153,20 @@ def missing_key() -> GatewayError:
 def authenticate(cursor, *, token: str | None, agent_id, last_turn: bool = False) -> Caller:
     """A project key of the agent's project, or a session key of this agent; 401/404 otherwise.
 
-    ``last_turn``: for a session key, also read the session's last turn (``Caller.last_turn``)
-    in the same statement, as a chat turn needs it.
+    ``last_turn``: for a session key, also the session's last turn, as a chat turn needs it:
+    this process's copy (``Caller.known_turn``) while the session is still at the turn count
+    it was kept under, else its row, read in the same statement (``Caller.last_turn``).
     """
     if not token:
         raise missing_key()
     agent_uuid = _agent_uuid(agent_id)
     key_hash = hash_key(token)
     if token.startswith(SESSION_KEY_PREFIX):
-        cursor.execute(_SESSION_KEY[last_turn], [key_hash])
+        known = LAST_TURNS.get(key_hash) if last_turn else None
+        params: list = [key_hash]
+        if known is not None:
+            params[:0] = [sql.pk(cursor, Session, known.session_id), known.count]
+        cursor.execute(_SESSION_KEY[last_turn, known is not None], params)
         row = cursor.fetchone()
         if row is None:
             raise GatewayError(401, "Invalid or superseded session key.", code="invalid_api_key")
@@ -167,6 +183,7 @@ def authenticate(cursor, *, token: str | None, agent_id, last_turn: bool = False
             session_server=row[2] or "",
             session_turns=int(row[3]),
             last_turn=row[14:] if last_turn and row[14] is not None else None,
+            known_turn=known if known is not None and known.holds(row[0], row[3]) else None,
         )
     cursor.execute(
         f"SELECT k.id, k.project_id, k.revoked_at, k.expires_at, k.last_used_at, a.id, a.name,"
@@ -301,10 +318,15 @@ def begin(*, token: str | None, agent_id, fingerprint: str, is_retry: bool):
             gone = session_gone(caller.session_id, caller.session_status)
             if gone is not None:
                 raise gone
-            previous, last = _last_turn(caller.last_turn)
-            if last is not None and last["request_hash"] == fingerprint:
+            known = caller.known_turn
+            previous, last = (
+                (known.previous, (known.request_hash, known.response))
+                if known is not None
+                else _last_turn(caller.last_turn)
+            )
+            if last is not None and last[0] == fingerprint:
                 # An SDK retry of the last turn: same answer, nothing recorded twice.
-                return Turn(caller, run, caller.session_id, False, "", replay=last["response"])
+                return Turn(caller, run, caller.session_id, False, "", replay=last[1])
             return Turn(
                 caller, run, caller.session_id, False, caller.session_server, previous=previous
             )
@@ -321,23 +343,31 @@ def begin(*, token: str | None, agent_id, fingerprint: str, is_retry: bool):
     return operation
 
 
-def _last_turn(row: tuple | None) -> tuple[PreviousTurn | None, dict | None]:
+def _last_turn(row: tuple | None) -> tuple[PreviousTurn | None, tuple[str, dict] | None]:
     """A turn as read by ``authenticate(..., last_turn=True)`` or ``branch_parent``: its
-    request_hash, messages, tools, input_ids, outputs, response and id."""
+    request_hash, messages, tools, input_ids, outputs, response and id; returns the
+    ``PreviousTurn`` and (request_hash, response)."""
     if row is None:
         return None, None
-    outputs, response = sql.loads(row[4]), sql.loads(row[5])
-    previous = PreviousTurn(
-        messages=sql.loads(row[1]),
-        tools=sql.loads(row[2]),
-        input_ids=sql.loads(row[3]),
+    response = sql.loads(row[5])
+    previous = _previous_turn(
+        sql.loads(row[1]), sql.loads(row[2]), sql.loads(row[3]), sql.loads(row[4]), response, row[6]
+    )
+    return previous, (row[0], response)
+
+
+def _previous_turn(messages, tools, input_ids, outputs, response: dict, key: str) -> PreviousTurn:
+    """A recorded turn as the next one continues it: per choice, its ids and message."""
+    return PreviousTurn(
+        messages=messages,
+        tools=tools,
+        input_ids=input_ids,
         choices=[
             {"output_ids": out["output_ids"], "message": choice["message"]}
             for out, choice in zip(outputs, response["choices"], strict=True)
         ],
-        key=row[6],
+        key=key,
     )
-    return previous, {"request_hash": row[0], "response": response}
 
 
 BRANCH_CANDIDATES = 16  # how many earlier turns a branch's parent is looked for among
@@ -417,10 +447,11 @@ def record(
     latency_ms: float,
     previous_chosen: int | None,
 ):
-    """The operation that stores one turn; returns the response to send (the original's, for a
-    retry that overlapped it)."""
+    """The operation that stores one turn; returns a ``Recorded``: the response to send (the
+    original's, for a retry that overlapped it) and, for a session's turn, the turn as the next
+    one continues it (``remember`` it once the operation is committed)."""
 
-    def operation(cursor) -> dict:
+    def operation(cursor) -> Recorded:
         now = timezone.now()
         if turn.opened:
             number = 0
@@ -428,7 +459,7 @@ def record(
         else:
             number = _next_turn(cursor, turn.session_id, request_hash, previous_chosen)
             if isinstance(number, dict):
-                return number  # a retry that overlapped its original: the first answer only
+                return Recorded(number)  # a retry that overlapped its original: the first answer
         sql.insert(
             cursor,
             Interaction,
@@ -468,9 +499,29 @@ def record(
                     sql.pk(cursor, Session, turn.session_id),
                 ],
             )
-        return response
+            # What the session's next turn continues, as the row holds it. The answers' ids are
+            # copied: a stream's choice still owns its list.
+            kept = [out | {"output_ids": list(out["output_ids"])} for out in outputs]
+            previous = _previous_turn(messages, tools, input_ids, kept, response, interaction_id)
+            known = KnownTurn(turn.session_id, number + 1, previous, request_hash, response)
+            return Recorded(response, known)
+        return Recorded(response)
 
     return operation
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """What ``record`` stored: the response to send and, for a session's turn, the turn itself."""
+
+    response: dict
+    turn: KnownTurn | None = None
+
+
+def remember(turn: Turn, recorded: Recorded) -> None:
+    """Keep a committed session turn for the session's next turn (``webapp.gateway.last_turns``)."""
+    if recorded.turn is not None:
+        LAST_TURNS.put(turn.caller.key_hash, recorded.turn)
 
 
 def _one_turn_session(turn: Turn, server_url: str, now: datetime) -> dict[str, Any]:
