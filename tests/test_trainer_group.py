@@ -4,9 +4,6 @@ a failing worker takes the whole group down instead of leaving the other blocked
 
 from __future__ import annotations
 
-import logging
-import os
-import tempfile
 import time
 
 import pytest
@@ -14,6 +11,7 @@ import torch
 
 from rl_core.config import RunConfig
 from rl_core.types import Trajectory
+from tests.localray import local_ray as local_ray_head
 from workers.capacity import CapacityError
 
 pytestmark = pytest.mark.slow
@@ -25,26 +23,8 @@ CPUS = 2
 def local_ray():
     import ray
 
-    from workers.ray_cluster import _pids_naming
-
-    temp_dir = tempfile.mkdtemp(prefix="steep-ray-tg-")
-    saved = {k: os.environ.pop(k) for k in ("RAY_ADDRESS",) if k in os.environ}
-    ray.init(
-        num_cpus=CPUS,
-        include_dashboard=False,
-        logging_level=logging.WARNING,
-        _temp_dir=temp_dir,
-    )
-    try:
+    with local_ray_head("steep-ray-tg-", num_cpus=CPUS):
         yield ray
-    finally:
-        ray.shutdown()
-        os.environ.update(saved)
-        # Nothing of this cluster outlives the test (its processes name its temp dir).
-        deadline = time.monotonic() + 30
-        while _pids_naming(temp_dir) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert not _pids_naming(temp_dir), "Ray processes were left behind"
 
 
 def _config(model_dir, **overrides) -> RunConfig:

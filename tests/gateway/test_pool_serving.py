@@ -11,9 +11,6 @@ with the official ``openai`` SDK.
 from __future__ import annotations
 
 import asyncio
-import logging
-import os
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -21,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.localray import local_ray as local_ray_head
 from webapp.gateway.models import InferenceServer, Session
 from webapp.pools.models import Pool
 from webapp.pools.services import pool_create, pool_job_secret_issue, pool_scale, pool_transition
@@ -35,22 +33,8 @@ ASK = [{"role": "user", "content": "Name a colour."}]
 @pytest.fixture
 def local_ray() -> Iterator[None]:
     """A Ray head of this test's own (2 CPUs); nothing of it outlives the test."""
-    import ray
-
-    from workers.ray_cluster import _pids_naming
-
-    temp_dir = tempfile.mkdtemp(prefix="steep-ray-pool-")
-    saved = {k: os.environ.pop(k) for k in ("RAY_ADDRESS",) if k in os.environ}
-    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING, _temp_dir=temp_dir)
-    try:
+    with local_ray_head("steep-ray-pool-", num_cpus=2):
         yield
-    finally:
-        ray.shutdown()
-        os.environ.update(saved)
-        deadline = time.monotonic() + 30
-        while _pids_naming(temp_dir) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert not _pids_naming(temp_dir), "Ray processes were left behind"
 
 
 @pytest.fixture
