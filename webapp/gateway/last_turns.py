@@ -27,7 +27,6 @@ import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from webapp.gateway import sql
 from webapp.gateway.prompts import PreviousTurn
 
 MAX_SESSIONS = 4096
@@ -44,9 +43,9 @@ class KnownTurn:
     request_hash: str
     response: dict
 
-    def holds(self, session_id, count) -> bool:
-        """Whether this is the last turn of ``session_id`` (as read back) at ``count`` turns."""
-        return self.count == int(count) and self.session_id == sql.as_uuid(session_id)
+    def holds(self, session_id: uuid.UUID, count: int) -> bool:
+        """Whether this is the last turn of ``session_id`` at ``count`` turns."""
+        return self.count == count and self.session_id == session_id
 
     @property
     def token_ids(self) -> int:
@@ -83,14 +82,12 @@ class LastTurns:
     def put(self, key_hash: str, known: KnownTurn) -> None:
         size = known.token_ids
         with self._lock:
-            old = self._turns.pop(key_hash, None)
+            old = self._turns.get(key_hash)
+            if old is not None and old.session_id == known.session_id and old.count > known.count:
+                return  # a later turn of the session was remembered first: keep it
             if old is not None:
+                del self._turns[key_hash]
                 self._token_ids -= old.token_ids
-                if old.session_id == known.session_id and old.count > known.count:
-                    # A later turn of the session was remembered first: keep it.
-                    self._turns[key_hash] = old
-                    self._token_ids += old.token_ids
-                    return
             if size > self.max_token_ids:
                 return
             self._turns[key_hash] = known

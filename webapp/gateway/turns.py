@@ -172,18 +172,19 @@ def authenticate(cursor, *, token: str | None, agent_id, last_turn: bool = False
             raise GatewayError(401, "Invalid or superseded session key.", code="invalid_api_key")
         if sql.as_uuid(row[4]) != agent_uuid:
             raise agent_not_found(agent_id)
+        session_id, count = sql.as_uuid(row[0]), int(row[3])
         return Caller(
             agent_id=agent_uuid,
             agent_name=row[5],
             project_id=row[6],
             key_hash=key_hash,
             run=_run(row[7:]),
-            session_id=sql.as_uuid(row[0]),
+            session_id=session_id,
             session_status=row[1],
             session_server=row[2] or "",
-            session_turns=int(row[3]),
+            session_turns=count,
             last_turn=row[14:] if last_turn and row[14] is not None else None,
-            known_turn=known if known is not None and known.holds(row[0], row[3]) else None,
+            known_turn=known if known is not None and known.holds(session_id, count) else None,
         )
     cursor.execute(
         f"SELECT k.id, k.project_id, k.revoked_at, k.expires_at, k.last_used_at, a.id, a.name,"
@@ -501,7 +502,7 @@ def record(
             )
             # What the session's next turn continues, as the row holds it. The answers' ids are
             # copied: a stream's choice still owns its list.
-            kept = [out | {"output_ids": list(out["output_ids"])} for out in outputs]
+            kept = [{"output_ids": list(out["output_ids"])} for out in outputs]
             previous = _previous_turn(messages, tools, input_ids, kept, response, interaction_id)
             known = KnownTurn(turn.session_id, number + 1, previous, request_hash, response)
             return Recorded(response, known)
