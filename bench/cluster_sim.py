@@ -10,6 +10,7 @@ reproducible for a seed on any machine, and a sweep takes minutes of wall time.
     python bench/cluster_sim.py servers                    # N = 4, 16, 64 (sync vs async)
     python bench/cluster_sim.py sync                       # disk vs distributed vs LoRA weight sync (7B)
     python bench/cluster_sim.py areal                      # AReaL's setting: ratio and the analytic bound
+    python bench/cluster_sim.py lora                       # LoRA: answers moved onto new adapters or not
     python bench/cluster_sim.py agents                     # 1,000 online agents: time spent backing off
     python bench/cluster_sim.py all [--json out.json]
 
@@ -30,6 +31,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from rl_core.inference.adapters import move_lag  # noqa: E402
 from rl_core.sim.agents import AgentSimConfig, simulate_agents  # noqa: E402
 from rl_core.sim.cluster import ClusterSimConfig, ClusterSimResult, simulate  # noqa: E402
 
@@ -132,12 +134,12 @@ def sync(args: argparse.Namespace, results: list[dict]) -> None:
         args,
         [
             _config(args, model="7b", weight_sync=w, max_staleness=s)
-            for w in ("distributed", "disk", "lora")
+            for w in ("distributed", "disk", "lora", "lora-keep")
             for s in (0, 4)
         ],
         results,
     )
-    for r in results[-6:]:
+    for r in results[-8:]:
         print(
             f"{r['config']['weight_sync']:>11} max_staleness={r['config']['max_staleness']}: "
             f"one weight sync {r['sync_seconds']:.2f} s (trainer side), "
@@ -162,6 +164,38 @@ def areal(args: argparse.Namespace, results: list[dict]) -> None:
         ]
         print(f"\ngroup_size {group}\n")
         _sweep(args, configs, results)
+
+
+def lora(args: argparse.Namespace, results: list[dict]) -> None:
+    # AReaL's setting with the three syncs: a broadcast (pause in place), LoRA adapters with
+    # the answers in flight moved onto each new one (AdapterSwitch, lag move_lag(η)), and
+    # LoRA adapters each answer keeps from start to end.
+    areal = dict(servers=24, trainer_gpus=8, steps=args.areal_steps)
+    by_key: dict[tuple[int, int], ClusterSimResult] = {}
+    for eta in (4, 8):
+        print(f"\nmax_staleness {eta}\n")
+        print(HEADER, flush=True)
+        for w in ("distributed", "lora", "lora-keep"):
+            started = time.perf_counter()
+            r = _run(_config(args, weight_sync=w, max_staleness=eta, **areal), results)
+            if w == "lora":
+                by_key[(eta, move_lag(eta))] = r
+            print(_row(r, None, time.perf_counter() - started), flush=True)
+    print(
+        "\n| max_staleness | moved when its adapter is k versions old | trained tok/s | dropped |"
+    )
+    print("|---|---|---|---|")
+    for eta, lags in ((4, (1, 2, 3)), (8, (1, 2, 4))):
+        for lag in lags:
+            r = by_key.get((eta, lag)) or _run(
+                _config(args, weight_sync="lora", max_staleness=eta, lora_move_lag=lag, **areal),
+                results,
+            )
+            default = " (move_lag)" if lag == move_lag(eta) else ""
+            print(
+                f"| {eta} | {lag}{default} | {r.trained_tokens_per_s:,.0f} | {r.dropped} |",
+                flush=True,
+            )
 
 
 def agents(args: argparse.Namespace, results: list[dict]) -> None:
@@ -198,6 +232,7 @@ SECTIONS = {
     "servers": servers,
     "sync": sync,
     "areal": areal,
+    "lora": lora,
     "agents": agents,
 }
 

@@ -10,7 +10,10 @@ natively (SGLang's ``/load_lora_adapter``; the torch engine's ``lora.py``), so
    (``rl_core.inference.adapters``) while they keep serving: nothing is paused or aborted;
 3. from then on new requests name it (``lora_path``): the gateway and the rollout driver
    derive the name from the run's current version, and the client tags their tokens
-   with ``N``;
+   with ``N``; with an ``AdapterSwitch`` (the rollout driver's), the generations still
+   running under older versions are moved onto it (aborted by rid and resumed under the new
+   name), so a long answer's later tokens are the new version's rather than all of it
+   aging with the version it started at;
 4. retires old names: the adapter ``keep`` versions back is unloaded in the background.
    An unload refuses new requests under the name at once and completes when the
    requests still running under it have finished (SGLang's registry semantics; the
@@ -33,7 +36,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from rl_core.inference.adapters import adapter_name
+from rl_core.inference.adapters import AdapterSwitch, adapter_name
 from rl_core.inference.client import InferenceClient, InferenceUnavailable
 from rl_core.weight_sync import dir_bytes
 
@@ -53,6 +56,7 @@ class AdapterSync:
         refresh: Callable[[], Awaitable[list[str]]] | None = None,
         on_change: Callable[[list[str], list[str]], Awaitable[None]] | None = None,
         skip_unreachable: bool = False,
+        switch: AdapterSwitch | None = None,
     ):
         if keep < 1:
             raise ValueError("AdapterSync keeps at least the newest adapter loaded (keep >= 1)")
@@ -64,6 +68,7 @@ class AdapterSync:
         self.prefix = prefix
         self.keep = keep
         self.skip_unreachable = skip_unreachable  # as WeightSync's: restarted and resynced later
+        self.switch = switch  # moves the requests in flight onto each new version
         self.current: str | None = None  # the newest adapter's name
         self.loaded: list[tuple[int, str]] = []  # (version, name), oldest first, not yet retired
         self.last_timing: dict[str, float] = {}
@@ -115,6 +120,7 @@ class AdapterSync:
             await self.on_change(added, removed)
         self.current = name
         self.loaded.append((version, name))
+        moved = await self.switch.switch(name) if self.switch is not None else 0
         while len(self.loaded) > self.keep:
             _, old = self.loaded.pop(0)
             task = asyncio.create_task(self._unload(old, clients))
@@ -129,6 +135,8 @@ class AdapterSync:
             "timing/update_weights": loaded - saved,
             "timing/weight_sync": loaded - started,
         }
+        if self.switch is not None:
+            self.last_timing["weight_sync/requests_moved"] = float(moved)
         self._prune()
         return version
 

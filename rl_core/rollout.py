@@ -30,7 +30,7 @@ from typing import Any
 from rl_core.chat import ChatTokenizer, load_chat_tokenizer
 from rl_core.checkpoints import latest_checkpoint
 from rl_core.config import RunConfig
-from rl_core.inference.adapters import current_adapter
+from rl_core.inference.adapters import AdapterSwitch, current_adapter
 from rl_core.inference.client import GenerateResult, InferenceClient
 from rl_core.loop import (
     LoopSummary,
@@ -209,6 +209,7 @@ class RolloutDriver:
         sampling_overrides: SamplingOverrides | None = None,
         poll_interval: float = 0.01,
         adapter_prefix: str | None = None,
+        adapter_switch: AdapterSwitch | None = None,
         rows_used: Mapping[int, int] | None = None,
     ):
         if not urls:
@@ -231,6 +232,8 @@ class RolloutDriver:
         self.poll_interval = poll_interval
         # A LoRA run's adapters are named <adapter_prefix>-v<N> (rl_core.adapter_sync).
         self.adapter_prefix = adapter_prefix
+        # Shared with the run's AdapterSync: a new version takes over the answers in flight.
+        self.adapter_switch = adapter_switch
         self.rng = random.Random(cfg.seed)  # sampling_overrides' randomness
         self._order = prompt_order(len(self.rows), cfg.seed, rows_used)
         # Member seeds continue after the groups a resumed run already generated.
@@ -370,7 +373,9 @@ class RolloutDriver:
                 lora_rank=self.cfg.lora_rank,
                 init_checkpoint=self.cfg.init_checkpoint,
             )
-        result = await client.generate(prompt_ids, params, lora_path=lora_path)
+        result = await client.generate(
+            prompt_ids, params, lora_path=lora_path, switch=self.adapter_switch
+        )
         return result, (time.perf_counter() - started) * 1000.0
 
     async def _finish_group(

@@ -111,6 +111,7 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
     from rl_core.adapter_sync import AdapterSync
     from rl_core.chat import load_chat_tokenizer
     from rl_core.evals import split_rows
+    from rl_core.inference.adapters import AdapterSwitch, move_lag
     from rl_core.loop import TrainingLoop, WeightSync
     from rl_core.reward_specs import reward_is_deferred
     from rl_core.rewards import load_reward_fn
@@ -188,6 +189,12 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
         # LoRA: each version is loaded as a new adapter, no pause (rl_core/adapter_sync.py).
         # On a shared pool the servers may change between steps: each push takes the pool's.
         refresh, on_change = api.pool_hooks(backend) if config.inference_pool else (None, None)
+        # The rollout driver's answers in flight go on under each new adapter as it is loaded.
+        switch = (
+            AdapterSwitch(move_lag(config.max_staleness))
+            if config.lora_rank and config.mode == "dataset"
+            else None
+        )
         # A server that died is left out of an update: watch_servers restarts and resyncs it.
         weight_sync = (
             AdapterSync(
@@ -197,6 +204,7 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
                 refresh=refresh,
                 on_change=on_change,
                 skip_unreachable=True,
+                switch=switch,
             )
             if config.lora_rank
             else WeightSync(
@@ -245,6 +253,7 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
                 controller,
                 WebEpisodeSink(api),
                 adapter_prefix=run_id if config.lora_rank else None,
+                adapter_switch=switch,
                 rows_used={int(k): v for k, v in resumed["rows_used"].items()},
             )
             driver_task = asyncio.create_task(driver.run())

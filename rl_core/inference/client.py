@@ -35,7 +35,7 @@ import httpx
 import orjson
 
 from rl_core.ids import new_hex
-from rl_core.inference.adapters import adapter_version
+from rl_core.inference.adapters import AdapterSwitch, adapter_version
 from rl_core.inference.http1 import Http1Pool, HTTPConnectionError
 from rl_core.inference.protocol import (
     GenerateChunk,
@@ -76,13 +76,15 @@ class _Progress:
     max_new_tokens: int
     return_logprob: bool
     top_n: int
-    lora_path: str | None = None  # the LoRA adapter every segment runs under (SGLang's field)
+    lora_path: str | None = None  # the LoRA adapter the next segment runs under (SGLang's field)
+    switch: AdapterSwitch | None = None  # moves the next segment onto a newer adapter
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     top: list[list[tuple[float, int]]] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
     segments: int = 0
+    moves: int = 0  # segments an AdapterSwitch ended, to go on under a newer adapter
     finish: dict | None = None  # the last segment's finish_reason
 
     @classmethod
@@ -95,6 +97,7 @@ class _Progress:
         return_logprob: bool,
         top_n: int,
         lora_path: str | None = None,
+        switch: AdapterSwitch | None = None,
     ) -> _Progress:
         params = dict(sampling_params or {})
         max_new = params.get("max_new_tokens")
@@ -106,6 +109,7 @@ class _Progress:
             return_logprob=return_logprob,
             top_n=top_n,
             lora_path=lora_path,
+            switch=switch,
         )
 
     @property
@@ -224,6 +228,7 @@ class InferenceClient(UpdateCalls):
         rid: str | None = None,
         top_logprobs_num: int = 0,
         lora_path: str | None = None,
+        switch: AdapterSwitch | None = None,
     ) -> GenerateResult:
         """Generate from token ids; resume across aborts; return every token with logprob and version.
 
@@ -238,6 +243,8 @@ class InferenceClient(UpdateCalls):
         ``lora_path`` names a loaded LoRA adapter to generate with (SGLang's field; kept
         across resumed segments); tokens generated under an adapter named ``<prefix>-v<N>``
         (``rl_core.inference.adapters``) are tagged with version ``N``, not the server's.
+        With ``switch`` (``AdapterSwitch``), a newer version of the run's adapter takes the
+        generation over when it is loaded: the rest is generated, and tagged, under it.
         """
         progress = _Progress.of(
             input_ids,
@@ -246,6 +253,7 @@ class InferenceClient(UpdateCalls):
             return_logprob=return_logprob,
             top_n=top_logprobs_num,
             lora_path=lora_path,
+            switch=switch,
         )
         async for _ in self._resumed(progress, stream=False):
             pass
@@ -289,52 +297,62 @@ class InferenceClient(UpdateCalls):
         resubmits the prompt plus everything generated so far; each token keeps the
         version of the segment that produced it. The last chunk carries the finish reason.
         """
-        lora_version = adapter_version(progress.lora_path)
-        while True:
-            seen, finish, text = 0, None, ""
-            chunk = GenerateChunk(output_ids=[], output_logprobs=[], versions=[])
-            events = self._segment_events(progress.body(stream=stream), stream=stream)
-            async with contextlib.aclosing(events):
-                async for data in events:
-                    # Each answer carries the whole segment so far; the chunk is what is new.
-                    ids, logprobs, versions, finish, top = parse_segment(
-                        data,
-                        return_logprob=progress.return_logprob,
-                        top_n=progress.top_n,
-                        start=seen,
-                    )
-                    if lora_version is not None:  # the adapter's version, not the base's
-                        versions = [lora_version] * len(versions)
-                    chunk = GenerateChunk(
-                        output_ids=ids,
-                        output_logprobs=logprobs,
-                        versions=versions,
-                        top_logprobs=top if progress.top_n else None,
-                    )
-                    seen, text = seen + len(ids), data.get("text") or ""
-                    progress.record(chunk)
-                    if finish is not None:
-                        break
+        switch = progress.switch
+        try:
+            while True:
+                if switch is not None:
+                    progress.lora_path = switch.newer(progress.lora_path) or progress.lora_path
+                    switch.track(progress.rid, self, progress.lora_path)
+                lora_version = adapter_version(progress.lora_path)
+                seen, finish, text = 0, None, ""
+                chunk = GenerateChunk(output_ids=[], output_logprobs=[], versions=[])
+                events = self._segment_events(progress.body(stream=stream), stream=stream)
+                async with contextlib.aclosing(events):
+                    async for data in events:
+                        # Each answer carries the whole segment so far; the chunk is what is new.
+                        ids, logprobs, versions, finish, top = parse_segment(
+                            data,
+                            return_logprob=progress.return_logprob,
+                            top_n=progress.top_n,
+                            start=seen,
+                        )
+                        if lora_version is not None:  # the adapter's version, not the base's
+                            versions = [lora_version] * len(versions)
+                        chunk = GenerateChunk(
+                            output_ids=ids,
+                            output_logprobs=logprobs,
+                            versions=versions,
+                            top_logprobs=top if progress.top_n else None,
+                        )
+                        seen, text = seen + len(ids), data.get("text") or ""
+                        progress.record(chunk)
+                        if finish is not None:
+                            break
+                        if chunk.output_ids:
+                            yield chunk
+                if finish is None and stream:
+                    raise InferenceError("the /generate stream ended without a finish_reason")
+                progress.segments += 1
+                progress.texts.append(text)
+                progress.finish = finish
+                if switch is not None and _is_abort(finish) and switch.newer(progress.lora_path):
+                    progress.moves += 1  # a new adapter took it over: not a resume to limit
+                if (
+                    _is_abort(finish)
+                    and progress.remaining > 0
+                    and progress.segments - progress.moves <= self.max_resumes
+                ):
                     if chunk.output_ids:
                         yield chunk
-            if finish is None and stream:
-                raise InferenceError("the /generate stream ended without a finish_reason")
-            progress.segments += 1
-            progress.texts.append(text)
-            progress.finish = finish
-            if (
-                _is_abort(finish)
-                and progress.remaining > 0
-                and progress.segments <= self.max_resumes
-            ):
-                if chunk.output_ids:
-                    yield chunk
-                await self._before_resume(progress, seen)
-                continue
-            chunk.finish_reason = _finish_type(finish, progress.remaining)
-            chunk.matched_stop = (finish or {}).get("matched")
-            yield chunk
-            return
+                    await self._before_resume(progress, seen)
+                    continue
+                chunk.finish_reason = _finish_type(finish, progress.remaining)
+                chunk.matched_stop = (finish or {}).get("matched")
+                yield chunk
+                return
+        finally:
+            if switch is not None:
+                switch.untrack(progress.rid)
 
     async def _before_resume(self, progress: _Progress, new_tokens: int) -> None:
         # A pause makes the resubmitted request wait server-side; this only spaces out

@@ -32,6 +32,7 @@ import httpx
 from rl_core.adapter_sync import AdapterSync
 from rl_core.chat import ChatTokenizer
 from rl_core.config import RunConfig
+from rl_core.inference.adapters import AdapterSwitch, move_lag
 from rl_core.inference.client import IN_PROCESS_TRANSPORTS
 from rl_core.loop import ListReporter
 from rl_core.rollout import LocalRun
@@ -41,7 +42,9 @@ from rl_core.sim.server import SimServer
 from rl_core.sim.trainer import SimTrainer
 
 LENGTHS = ("longtail", "uniform")
-SYNCS = ("distributed", "disk", "lora")
+# "lora": adapters, the answers in flight moved onto each new one (what the Ray job does);
+# "lora-keep": each answer keeps the adapter it started with (Steep before AdapterSwitch).
+SYNCS = ("distributed", "disk", "lora", "lora-keep")
 
 
 @dataclass
@@ -60,9 +63,10 @@ class ClusterSimConfig:
     max_tokens: int = 16_384  # max_new_tokens: the longest answer
     prompt_tokens: int = 256  # every prompt's length
     tokens_per_id: int = 16  # real tokens per simulated output id
-    weight_sync: str = "distributed"  # "distributed" | "disk" | "lora"
+    weight_sync: str = "distributed"  # one of SYNCS
     mfu: float = MEASURED_TRAINER_MFU  # the trainer's achieved fraction of peak FLOP/s
     max_queued_batches: int = 0  # RunConfig's: finished batches that may wait for the trainer
+    lora_move_lag: int = 0  # "lora": moved once its adapter is this many versions old; 0: move_lag
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -343,7 +347,7 @@ async def _simulate(cfg: ClusterSimConfig, work: str) -> ClusterSimResult:
     urls = [f"http://sim-{i}.invalid:30000" for i in range(cfg.servers)]
     for url, server in zip(urls, servers, strict=True):
         IN_PROCESS_TRANSPORTS[url] = httpx.ASGITransport(app=cast(Any, server))
-    lora = cfg.weight_sync == "lora"
+    lora = cfg.weight_sync.startswith("lora")
     run_cfg = RunConfig.from_dict(
         {
             "base_model": f"sim-{cfg.model}",
@@ -375,8 +379,10 @@ async def _simulate(cfg: ClusterSimConfig, work: str) -> ClusterSimResult:
         )
         inner: Any = run.weight_sync
         if lora:  # what the Ray job does for a LoRA run: adapters, no pause
-            inner = AdapterSync(urls, f"{work}/adapters", "sim")
-            run.driver.adapter_prefix = "sim"
+            lag = cfg.lora_move_lag or move_lag(cfg.max_staleness)  # 0: what the Ray job uses
+            switch = AdapterSwitch(lag) if cfg.weight_sync == "lora" else None
+            inner = AdapterSync(urls, f"{work}/adapters", "sim", switch=switch)
+            run.driver.adapter_prefix, run.driver.adapter_switch = "sim", switch
         timed = _TimedSync(inner)
         run.loop.weight_sync = cast(Any, timed)
         occupancy = Occupancy(servers, run)

@@ -6,7 +6,7 @@ the rollout driver does not stream), ``/pause_generation`` (``in_place``/``retra
 the batch, ``abort`` ends it), ``/continue_generation``, ``/update_weights_from_disk``,
 ``/init_weights_update_group``, ``/update_weights_from_distributed``,
 ``/destroy_weights_update_group``, ``/load_lora_adapter``, ``/unload_lora_adapter``,
-``/server_info``, ``/model_info``, ``/health``. It reports itself as SGLang on a GPU
+``/abort_request``, ``/server_info``, ``/model_info``, ``/health``. It reports itself as SGLang on a GPU
 (``version`` not the torch engine's), so ``rl_core.weight_sync`` takes its SGLang path:
 pause in place, update, continue.
 
@@ -24,7 +24,9 @@ What a request generates: ``lengths(seed)`` real tokens (seed: ``sampling_seed``
 answer's length is the model's business, as with a real engine), cut at
 ``max_new_tokens``. ``tokens_per_id`` (the granularity) lets one output id stand for
 several real tokens, so a 30k-token answer is a few thousand ids on the wire; the cost
-model and all accounting use real tokens (ids x granularity).
+model and all accounting use real tokens (ids x granularity). An aborted answer resumed
+under the same ``rid`` (the client's resume loop) goes on where it stopped: its length
+counts what the earlier segments generated, and its prefill is the whole context again.
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ class _Request:
     hit_limit: bool  # the target is max_new_tokens (finish "length")
     lora: str | None
     done: int = 0
+    prior: int = 0  # ids its rid's earlier, aborted segments generated
+    stop_asked: bool = False  # /abort_request: ends at the step under way
     spans: list[list[int]] = field(default_factory=list)  # [version, start]
     finished: asyncio.Future | None = None
     aborted: bool = False
@@ -94,6 +98,7 @@ class SimServer:
         self._idle: asyncio.Event | None = None  # set while the engine is not in a step
         self._engine: asyncio.Task | None = None
         self._paused_since: float | None = None
+        self._carried: dict[str, int] = {}  # rid -> ids generated before it was aborted
 
     @property
     def decoding(self) -> int:
@@ -164,6 +169,9 @@ class SimServer:
             await asyncio.sleep(self.sync_cost.adapter_bytes() / self.sync_cost.disk_read_Bps)
             self.adapters[str(data["lora_name"])] = str(data["lora_path"])
             return 200, self._lora_answer()
+        if path == "/abort_request":
+            self._abort(data.get("rid"), abort_all=bool(data.get("abort_all")))
+            return 200, {}
         if path == "/unload_lora_adapter":
             name = str(data["lora_name"])
             self.adapters.pop(name, None)
@@ -201,6 +209,24 @@ class SimServer:
             self._running, self._pending = [], collections.deque()
         self._set_paused(True)
 
+    def _abort(self, rid: Any, *, abort_all: bool) -> None:
+        """SGLang's ``/abort_request``: a queued request ends now, a running one at the end of
+        the step under way (with what it generated)."""
+        for request in [r for r in self._pending if abort_all or r.rid == rid]:
+            request.aborted = True
+            self._finish(request)
+            self._pending.remove(request)
+        running = [r for r in self._running if abort_all or r.rid == rid]
+        for request in running:
+            if self._paused or self._idle is None or self._idle.is_set():  # between steps
+                request.aborted = True
+                self._finish(request)
+            else:
+                request.stop_asked = True
+        if running:
+            self._running = [r for r in self._running if not r.aborted]
+            self._poke()
+
     def _new_version(self, value: Any) -> None:
         version = int(value) if value is not None else self.version + 1
         self.version = version
@@ -225,8 +251,12 @@ class SimServer:
                 hashlib.blake2b(str(data.get("rid")).encode(), digest_size=7).digest()
             )
         wanted = -(-max(1, int(self.lengths(int(seed)))) // self.g)  # ids, rounded up
+        rid = str(data.get("rid") or "")
+        prior = self._carried.pop(rid, 0) if rid else 0
+        wanted -= prior  # a resumed answer goes on where it stopped
         request = _Request(
-            rid=str(data.get("rid") or ""),
+            rid=rid,
+            prior=prior,
             prompt_ids=len(input_ids),
             target_ids=min(wanted, max_new),
             hit_limit=wanted >= max_new,
@@ -252,6 +282,8 @@ class SimServer:
 
     def _answer(self, request: _Request) -> dict[str, Any]:
         n = request.done
+        if request.aborted and request.rid:
+            self._carried[request.rid] = request.prior + n
         spans = request.spans or [[self.version, 0]]
         ends = [s[1] for s in spans[1:]] + [n]
         finish: dict[str, Any] = (
@@ -320,7 +352,11 @@ class SimServer:
                 prefill = cost.prefill_seconds(joined * g)
                 await asyncio.sleep(prefill)
                 self.stats.busy_s += prefill
-            running = self._running
+            for request in self._running:
+                if request.stop_asked:  # asked during the prefill: it ends before decoding
+                    request.aborted = True
+                    self._finish(request)
+            running = self._running = [r for r in self._running if not r.aborted]
             if not running:
                 continue
             # Every step until the first of the batch finishes costs about the same.
@@ -345,6 +381,9 @@ class SimServer:
                     continue
                 request.done += done
                 if request.done >= request.target_ids:
+                    self._finish(request)
+                elif request.stop_asked:
+                    request.aborted = True
                     self._finish(request)
                 else:
                     still.append(request)

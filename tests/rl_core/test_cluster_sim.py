@@ -4,6 +4,7 @@ and Steep's own loop driving 4 stand-in servers and 2 trainer GPUs in simulated 
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import httpx
 import pytest
@@ -82,30 +83,53 @@ def test_a_known_batch_on_the_stand_in_takes_the_cost_models_time():
     assert all(r.finish_reason == "stop" and r.versions == [0] * 5 for r in results)
 
 
-def test_a_weight_update_mid_generation_tags_the_later_tokens_with_the_new_version():
-    server = SimServer(ENGINE, TRAINER, lambda seed: 100)
-    url = "http://sim-update.invalid:1"
+def _against(server: SimServer, scenario: Any) -> Any:
+    """Run ``scenario(client)`` against ``server`` on the simulated clock; its result."""
+    url = f"http://sim-{id(server)}.invalid:1"
 
-    async def main():
+    async def main() -> Any:
         IN_PROCESS_TRANSPORTS[url] = httpx.ASGITransport(app=server)
         try:
             async with InferenceClient(url) as client:
-                generation = asyncio.create_task(client.generate([7] * 4, {"max_new_tokens": 100}))
-                await asyncio.sleep(0.5)
-                await client.pause_generation("in_place")
-                await client.update_weights_from_distributed(
-                    ["model"], ["bfloat16"], [[1000]], group_name="g", weight_version=1
-                )
-                await client.continue_generation()
-                return await generation
+                return await scenario(client)
         finally:
             IN_PROCESS_TRANSPORTS.pop(url)
             await server.aclose()
 
-    result = run_simulated(main())
+    return run_simulated(main())
+
+
+def test_a_weight_update_mid_generation_tags_the_later_tokens_with_the_new_version():
+    async def update_mid_generation(client: InferenceClient) -> Any:
+        generation = asyncio.create_task(client.generate([7] * 4, {"max_new_tokens": 100}))
+        await asyncio.sleep(0.5)
+        await client.pause_generation("in_place")
+        await client.update_weights_from_distributed(
+            ["model"], ["bfloat16"], [[1000]], group_name="g", weight_version=1
+        )
+        await client.continue_generation()
+        return await generation
+
+    result = _against(SimServer(ENGINE, TRAINER, lambda seed: 100), update_mid_generation)
     first_new = result.versions.index(1)
     assert 0 < first_new < 100
     assert result.versions == [0] * first_new + [1] * (100 - first_new)
+
+
+def test_an_answer_aborted_by_rid_resumes_where_it_stopped():
+    async def abort_mid_generation(client: InferenceClient) -> Any:
+        generation = asyncio.create_task(
+            client.generate([7] * 4, {"max_new_tokens": 500}, rid="r1")
+        )
+        await asyncio.sleep(0.5)
+        await client.abort_request("r1")  # the client's resume loop sends it again
+        return await generation
+
+    server = SimServer(ENGINE, TRAINER, lambda seed: 100)
+    result = _against(server, abort_mid_generation)
+    # 100 tokens in all, not 100 more after the abort.
+    assert len(result.output_ids) == 100 and result.finish_reason == "stop"
+    assert result.num_segments == 2 and server.stats.requests == 2
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +155,17 @@ def test_async_beats_sync_on_the_long_tailed_distribution_by_a_wide_margin(small
     assert async_.trajectories_per_s > 2.0 * sync.trajectories_per_s
     assert async_.trained_tokens_per_s > 1.5 * sync.trained_tokens_per_s
     assert async_.inference_idle < sync.inference_idle
+
+
+def test_a_lora_run_that_moves_its_answers_onto_each_new_adapter_drops_fewer_of_them():
+    # The Ray job's LoRA sync moves the answers in flight onto each new adapter; "lora-keep"
+    # leaves each under the adapter it started with, so a long answer ages whole.
+    small = dict(servers=4, trainer_gpus=2, steps=20, lengths="longtail", seed=0, max_staleness=4)
+    moved = simulate(ClusterSimConfig(weight_sync="lora", **small))
+    kept = simulate(ClusterSimConfig(weight_sync="lora-keep", **small))
+    assert max(moved.staleness) <= 4 and max(kept.staleness) <= 4
+    assert moved.dropped < kept.dropped
+    assert moved.trained_tokens_per_s > kept.trained_tokens_per_s
 
 
 def test_online_agents_beyond_the_staleness_budget_are_refused_and_the_bound_holds():
