@@ -154,7 +154,7 @@ def second_projects_lora_run_trains_on_the_demo_pool(steep_up) -> None:
     from webapp.datasets.models import Dataset
     from webapp.gateway.models import InferenceServer
     from webapp.pools.models import Pool, PoolServer
-    from webapp.runs.models import Run
+    from webapp.runs.models import MetricPoint, Run
 
     stack, data_dir, _ = steep_up
     demo = demo_env(data_dir)
@@ -215,3 +215,7 @@ def second_projects_lora_run_trains_on_the_demo_pool(steep_up) -> None:
         urls = set(InferenceServer.objects.filter(run=run).values_list("url", flat=True))
         assert urls == {server}, (run.name, urls, server)
         assert Run.objects.get(pk=run.pk).status == "running"
+    # The dataset run's rollout driver has its answers in flight moved onto each new adapter
+    # (AdapterSwitch: each push reports how many moved); the gateway's requests are not moved.
+    moved = MetricPoint.objects.filter(name="weight_sync/requests_moved")
+    assert moved.filter(run=second).exists() and not moved.filter(run=online).exists()
