@@ -76,17 +76,18 @@ class AdapterSwitch:
             raise ValueError("AdapterSwitch moves requests at least one version behind (lag >= 1)")
         self.lag = lag  # a request is moved once its adapter is this many versions behind
         self.current: str | None = None  # the newest adapter loaded on every server
-        self.switched = 0  # requests moved onto a newer adapter, for the metrics
+        self.switched = 0  # requests moved onto a newer adapter over the run
         self._in_flight: dict[str, tuple[Any, str | None]] = {}  # rid -> (client, lora_path)
+
+    def _behind(self, lora_path: str | None) -> int:
+        """Versions between ``lora_path`` and the current adapter (the base model is 0)."""
+        return (adapter_version(self.current) or 0) - (adapter_version(lora_path) or 0)
 
     def newer(self, lora_path: str | None) -> str | None:
         """The adapter a segment sent under ``lora_path`` should use instead; None: keep it."""
-        current = self.current
-        if current is None or current == lora_path:
+        if self.current is None or self._behind(lora_path) <= 0:
             return None
-        if (adapter_version(current) or 0) <= (adapter_version(lora_path) or 0):
-            return None
-        return current
+        return self.current
 
     def track(self, rid: str, client: Any, lora_path: str | None) -> None:
         self._in_flight[rid] = (client, lora_path)
@@ -98,11 +99,10 @@ class AdapterSwitch:
         """``name`` is loaded everywhere: move the requests ``lag`` versions behind onto it;
         return how many were asked to move."""
         self.current = name
-        version = adapter_version(name) or 0
         moving = [
             (rid, client)
             for rid, (client, path) in self._in_flight.items()
-            if version - (adapter_version(path) or 0) >= self.lag
+            if self._behind(path) >= self.lag
         ]
         results = await asyncio.gather(
             *(client.abort_request(rid) for rid, client in moving), return_exceptions=True

@@ -204,8 +204,7 @@ class SimServer:
     def _pause(self, mode: str) -> None:
         if mode == "abort":
             for request in [*self._running, *self._pending]:
-                request.aborted = True
-                self._finish(request)
+                self._end_aborted(request)
             self._running, self._pending = [], collections.deque()
         self._set_paused(True)
 
@@ -213,14 +212,12 @@ class SimServer:
         """SGLang's ``/abort_request``: a queued request ends now, a running one at the end of
         the step under way (with what it generated)."""
         for request in [r for r in self._pending if abort_all or r.rid == rid]:
-            request.aborted = True
-            self._finish(request)
+            self._end_aborted(request)
             self._pending.remove(request)
         running = [r for r in self._running if abort_all or r.rid == rid]
         for request in running:
             if self._paused or self._idle is None or self._idle.is_set():  # between steps
-                request.aborted = True
-                self._finish(request)
+                self._end_aborted(request)
             else:
                 request.stop_asked = True
         if running:
@@ -312,6 +309,10 @@ class SimServer:
             },
         }
 
+    def _end_aborted(self, request: _Request) -> None:
+        request.aborted = True
+        self._finish(request)
+
     def _finish(self, request: _Request) -> None:
         if request.finished is not None and not request.finished.done():
             request.finished.set_result(None)
@@ -354,8 +355,7 @@ class SimServer:
                 self.stats.busy_s += prefill
             for request in self._running:
                 if request.stop_asked:  # asked during the prefill: it ends before decoding
-                    request.aborted = True
-                    self._finish(request)
+                    self._end_aborted(request)
             running = self._running = [r for r in self._running if not r.aborted]
             if not running:
                 continue
@@ -383,8 +383,7 @@ class SimServer:
                 if request.done >= request.target_ids:
                     self._finish(request)
                 elif request.stop_asked:
-                    request.aborted = True
-                    self._finish(request)
+                    self._end_aborted(request)
                 else:
                     still.append(request)
             self._running = still
