@@ -32,7 +32,7 @@ import torch
 
 from rl_core import lora
 from rl_core.chat import ChatTokenizer, load_chat_tokenizer
-from rl_core.hf import load_causal_lm
+from rl_core.hf import cache_kwargs, load_causal_lm, returned_cache
 from rl_core.inference.process import when_parent_exits
 from rl_core.rewards import RewardFn, load_reward_fn, score
 from rl_core.rollout import member_seed, row_messages, row_metadata
@@ -93,7 +93,8 @@ def sample(
                 done[i] = token in stop_ids
         if all(done):
             break
-        out = model(tokens[:, None], past_key_values=out.past_key_values, use_cache=True)
+        cache = cache_kwargs(model, returned_cache(out))
+        out = model(tokens[:, None], use_cache=True, **cache)
     return answers
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 from typing import Any
 
@@ -26,6 +28,26 @@ def dtype_kwargs(dtype: torch.dtype) -> dict[str, Any]:
     # `dtype` replaced `torch_dtype` in transformers 4.56; older releases ignore it.
     key = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
     return {key: dtype}
+
+
+def cache_kwargs(model: Any, cache: Any) -> dict[str, Any]:
+    """``cache`` as the keyword ``model``'s forward takes a KV cache under: ``cache`` from
+    transformers 5.2x on, ``past_key_values`` before (the old name warns there, and goes in 5.40)."""
+    if hasattr(model, "get_base_model"):  # a peft wrapper forwards **kwargs to the base model
+        model = model.get_base_model()
+    return {_cache_keyword(type(model).forward): cache}
+
+
+@functools.cache
+def _cache_keyword(forward: Any) -> str:
+    parameters = inspect.signature(forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
+def returned_cache(output: Any) -> Any:
+    """The KV cache a forward with ``use_cache=True`` returned, under either release's name."""
+    cache = getattr(output, "cache", None)  # transformers 5.2x; older outputs lack the field
+    return cache if cache is not None else output.past_key_values
 
 
 def load_causal_lm(

@@ -109,3 +109,35 @@ def test_cli_builds_a_model(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "cli" / "tokenizer.json").exists()
     assert (tmp_path / "cli" / "chat_template.jinja").exists()
+
+
+def test_the_kv_cache_goes_under_the_name_the_installed_transformers_takes(
+    tiny_model_dir: Path,
+) -> None:
+    """transformers 5.2x renamed forward's ``past_key_values`` to ``cache`` (the old name warns,
+    and goes in 5.40); the engine's decode loop must feed the cache back under either."""
+    from rl_core.hf import cache_kwargs, returned_cache
+
+    class Old(torch.nn.Module):
+        def forward(self, input_ids=None, past_key_values=None, use_cache=None): ...
+
+    class New(torch.nn.Module):
+        def forward(self, input_ids=None, cache=None, use_cache=None): ...
+
+    class Wrapped:  # a peft wrapper: forward(*args, **kwargs), the base model inside
+        def get_base_model(self):
+            return New()
+
+    assert cache_kwargs(Old(), "kv") == {"past_key_values": "kv"}
+    assert cache_kwargs(New(), "kv") == {"cache": "kv"}
+    assert cache_kwargs(Wrapped(), "kv") == {"cache": "kv"}
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        whole = model(ids).logits[0, -1]
+        first = model(ids[:, :3], use_cache=True)
+        cache = returned_cache(first)
+        assert cache is not None and cache.get_seq_length() == 3
+        step = model(ids[:, 3:], use_cache=True, **cache_kwargs(model, cache)).logits[0, -1]
+    torch.testing.assert_close(step, whole, atol=1e-5, rtol=0)

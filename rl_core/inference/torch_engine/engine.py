@@ -451,7 +451,7 @@ class TorchEngine:
             self._advance([reqs[i] for i in going], done.last_logits[going])
         joining = [i for i in going if reqs[i].finish is None]
         if joining:
-            self._cache.join(done.past_key_values, done.lengths, joining)
+            self._cache.join(done.cache, done.lengths, joining)
             self._running.extend(reqs[i] for i in joining)
         self.stats["max_batch_size_seen"] = max(
             self.stats["max_batch_size_seen"], len(self._running)

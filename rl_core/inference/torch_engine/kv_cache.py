@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from rl_core.hf import cache_kwargs, returned_cache
+
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (keys, values), each [B, H_kv, T, D]
 
 
@@ -52,10 +54,10 @@ class PaddedBatchCache:
     def clear(self) -> None:
         self.kv, self.mask = None, None
 
-    def join(self, past_key_values: Any, lengths: list[int], rows: list[int]) -> None:
+    def join(self, cache: Any, lengths: list[int], rows: list[int]) -> None:
         """Append ``rows`` of a right-padded prefill's cache as batch rows; row i of it is
         real for its first ``lengths[i]`` positions."""
-        kv = cache_tensors(past_key_values)
+        kv = cache_tensors(cache)
         t_old = 0 if self.mask is None else self.mask.shape[1]
         t = max([t_old] + [lengths[i] for i in rows])
 
@@ -89,10 +91,10 @@ class PaddedBatchCache:
             input_ids=last_tokens,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=make_cache(self.kv),
             use_cache=True,
+            **cache_kwargs(model, make_cache(self.kv)),
         )
-        self.kv = cache_tensors(out.past_key_values)
+        self.kv = cache_tensors(returned_cache(out))
         self.mask = attention_mask
         return out.logits[:, -1, :]
 

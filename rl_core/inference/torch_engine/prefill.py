@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from rl_core.hf import cache_kwargs, returned_cache
 from rl_core.inference.torch_engine.kv_cache import make_cache
 from rl_core.inference.torch_engine.protocol import GenerateRequest
 
@@ -30,7 +31,7 @@ class Prefilled:
     """One prefill forward: per row, the logits after its last prompt token and its cache."""
 
     last_logits: torch.Tensor  # [B, V] float
-    past_key_values: Any  # right-padded: row i is real for its first lengths[i] positions
+    cache: Any  # right-padded: row i is real for its first lengths[i] positions
     lengths: list[int]
     input_logprobs: list[list[tuple[float | None, int]] | None]  # where a request asked
 
@@ -77,9 +78,9 @@ def prefill(model: Any, reqs: list[GenerateRequest], device: torch.device) -> Pr
     out = model(
         input_ids=ids,
         position_ids=positions,
-        past_key_values=make_cache([]),
         use_cache=True,
         logits_to_keep=keep,
+        **cache_kwargs(model, make_cache([])),
         **kwargs,
     )
     logits = out.logits.float()  # [B, kept, V]
@@ -89,7 +90,7 @@ def prefill(model: Any, reqs: list[GenerateRequest], device: torch.device) -> Pr
         _input_logprobs(logits[i, : lengths[i]], req) if wants_input_logprobs(req) else None
         for i, req in enumerate(reqs)
     ]
-    return Prefilled(last, out.past_key_values, lengths, input_logprobs)
+    return Prefilled(last, returned_cache(out), lengths, input_logprobs)
 
 
 def _input_logprobs(logits: torch.Tensor, req: GenerateRequest) -> list[tuple[float | None, int]]:
