@@ -43,6 +43,34 @@ def test_database_url() -> str:
 test_database_url.__test__ = False  # a helper, not a test
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``STEEP_TEST_SHUFFLE=<seed>``: run the files in a shuffled order, and each file's tests
+    in a shuffled order (a file's tests stay together, so module fixtures start once), to
+    catch a test that passes only after the ones its file puts before it."""
+    import os
+    import random
+
+    seed = os.environ.get("STEEP_TEST_SHUFFLE")
+    if not seed:
+        return
+    rng = random.Random(seed)
+    files: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::")[0], []).append(item)
+    groups = list(files.values())
+    rng.shuffle(groups)
+    for group in groups:
+        rng.shuffle(group)
+    items[:] = [item for group in groups for item in group]
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    import os
+
+    seed = os.environ.get("STEEP_TEST_SHUFFLE")
+    return f"tests shuffled: STEEP_TEST_SHUFFLE={seed}" if seed else None
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model (rl_core.tiny), built once per session."""
