@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import random
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -47,9 +49,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """``STEEP_TEST_SHUFFLE=<seed>``: run the files in a shuffled order, and each file's tests
     in a shuffled order (a file's tests stay together, so module fixtures start once), to
     catch a test that passes only after the ones its file puts before it."""
-    import os
-    import random
-
     seed = os.environ.get("STEEP_TEST_SHUFFLE")
     if not seed:
         return
@@ -65,8 +64,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:
-    import os
-
     seed = os.environ.get("STEEP_TEST_SHUFFLE")
     return f"tests shuffled: STEEP_TEST_SHUFFLE={seed}" if seed else None
 
