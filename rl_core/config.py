@@ -63,11 +63,14 @@ class RunConfig:
         choices=MODES,
     )
     base_model: str = _f(
-        "", "Local path or Hugging Face id of the causal LM to train.", required=True
+        "",
+        "The causal LM to train: a model this instance offers (GET /api/v1/models/: the demo model, a directory under the operator's model roots, by name or path), or a Hugging Face id where the operator allows them (STEEP_HUB_MODELS).",
+        required=True,
     )
     init_checkpoint: str = _f(
         "",
-        "A checkpoint directory (another run's) whose weights the run starts from instead of base_model's; same architecture and tokenizer. Empty: base_model's weights.",
+        "The id of a checkpoint of this project (another run's, listed with its id by GET /api/v1/runs/{id}/checkpoints/) whose weights the run starts from instead of base_model's; same architecture and tokenizer. Never a path: the run's job is handed that checkpoint's directory. Empty: base_model's weights.",
+        ids=True,
     )
     reward: dict = _f(
         {},
@@ -306,12 +309,12 @@ class RunConfig:
         if not self.base_model.strip():
             bad(
                 "base_model",
-                "Set base_model to a local model directory or a Hugging Face model id.",
+                "Set base_model to a model this instance offers (GET /api/v1/models/ lists them).",
             )
         if self.init_checkpoint != self.init_checkpoint.strip():
             bad(
                 "init_checkpoint",
-                "init_checkpoint is a directory path without surrounding spaces (or empty for base_model's weights).",
+                "init_checkpoint is a checkpoint's id without surrounding spaces (or empty for base_model's weights).",
             )
         if self.mode == "dataset":
             if not self.reward:
@@ -428,6 +431,8 @@ def _coerce(f: dataclasses.Field, value: Any) -> Any:
         _check_bounds(f.name, value, meta)
         return value
     if base == "str":
+        if meta.get("ids") and isinstance(value, int) and not isinstance(value, bool):
+            value = str(value)  # an object's id, given as a number
         if not isinstance(value, str):
             raise ValueError(f"{f.name} must be a string; got {type(value).__name__}.")
         choices = meta.get("choices")

@@ -159,7 +159,7 @@ REWARD_TYPES_DOC = """
 | `exact_match` | — | by the rollout driver: 1.0 when the answer equals the row's `answer` (whitespace-normalised) |
 | `regex` | `pattern`, `flags` (any of `imsx`) | by the rollout driver: 1.0 when `pattern` matches (and its `answer` group equals the row's `answer`) |
 | `math` | — | by the rollout driver: 1.0 when math-verify finds the answer equivalent to the row's `answer` |
-| `python` | `path` (`module:function`) | by the rollout driver: your `fn(prompt, completion, answer, metadata) -> float` |
+| `python` | `path` (`module:function`) | by the rollout driver: your `fn(prompt, completion, answer, metadata) -> float`, in a module the operator allows (`STEEP_REWARD_MODULES`; Steep's own `rl_core.rewards` / `rl_core.toy` `*_reward_fn` always) |
 | `judge` | see below | by the web app's worker, after the episode ends: an LLM judge reads the conversation and the rubric |
 | `human` | `timeout_s` (default `86400`) | by people: feedback on the session's page, the review queue or `POST /api/v1/sessions/<id>/feedback/` |
 
@@ -169,7 +169,7 @@ REWARD_TYPES_DOC = """
 |---|---|---|
 | `rubric` | required | The criteria, in words, that the judge scores an answer by. |
 | `judge` | — | `"self"`: the run's own base model judges, on the run's own inference servers (a LoRA run's base weights; a full-weight run's servers hold the current policy, so it judges itself as it learns). Then leave out `base_url`, `model` and the key. While the run has no server up, judging waits. |
-| `base_url` | required | Any OpenAI-compatible endpoint, e.g. `https://api.openai.com/v1` or a vLLM/SGLang server's `/v1`. |
+| `base_url` | required | Any OpenAI-compatible endpoint, e.g. `https://api.openai.com/v1` or a vLLM/SGLang server's `/v1`. Loopback, private, link-local and the instance's own addresses only where the operator allows them (`STEEP_OUTBOUND_ALLOW`); redirects are not followed. |
 | `model` | required | The judge model's name at `base_url`. |
 | `api_key_env` | — | The name of an environment variable of the worker that holds the judge's key (the key never enters the database). |
 | `api_key` | — | The key itself: stored encrypted (Fernet, keyed from `SECRET_KEY`) as `api_key_encrypted` and never shown again by the API or the dashboard. Give one of `api_key_env` / `api_key`, or neither for an endpoint without keys. |

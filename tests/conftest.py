@@ -68,6 +68,40 @@ def pytest_report_header(config: pytest.Config) -> str | None:
     return f"tests shuffled: STEEP_TEST_SHUFFLE={seed}" if seed else None
 
 
+# Model names the tests give runs and pools without building a model (a run that is created
+# and inspected, never started): directories in the tests' own model root.
+TEST_MODEL_NAMES = ("tiny-llama", "m", "tiny-model", "other-model")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _test_model_roots(tmp_path_factory: pytest.TempPathFactory):
+    """The instance's model roots in the tests (``STEEP_MODEL_ROOTS``, rl_core.sources): the
+    data directory's models, a folder of the names above, and the session's temporary folder
+    (where fixtures build their models). Set in the environment too, for the processes the
+    tests start."""
+    from django.conf import settings
+
+    base = tmp_path_factory.getbasetemp()
+    for name in TEST_MODEL_NAMES:
+        (base / "models" / name).mkdir(parents=True, exist_ok=True)
+    roots = [str(Path(settings.DATA_DIR) / "models"), str(base / "models"), str(base)]
+    saved = os.environ.get("STEEP_MODEL_ROOTS"), settings.STEEP_MODEL_ROOTS
+    os.environ["STEEP_MODEL_ROOTS"] = ",".join(roots)
+    settings.STEEP_MODEL_ROOTS = roots
+    yield roots
+    if saved[0] is None:
+        os.environ.pop("STEEP_MODEL_ROOTS", None)
+    else:
+        os.environ["STEEP_MODEL_ROOTS"] = saved[0]
+    settings.STEEP_MODEL_ROOTS = saved[1]
+
+
+@pytest.fixture
+def model_named(_test_model_roots) -> Callable[[str], str]:
+    """``model_named("tiny-llama")``: the directory a run's base_model of that name is stored as."""
+    return lambda name: os.path.realpath(Path(_test_model_roots[1]) / name)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model (rl_core.tiny), built once per session."""

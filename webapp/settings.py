@@ -7,6 +7,7 @@ embedded file-system Celery broker under DATA_DIR that works across processes.
 from __future__ import annotations
 
 import ipaddress
+import os
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -225,6 +226,39 @@ STEEP_FAILPOINTS = envstr("STEEP_FAILPOINTS", "")
 # demo agent that keeps its online run busy (webapp.runs.demo_agent).
 STEEP_DEMO_MODEL = envstr("STEEP_DEMO_MODEL", "") or str(DATA_DIR / "models" / "tiny-chat")
 STEEP_DEMO_AGENT = envbool("STEEP_DEMO_AGENT", True)
+
+# What a run's settings may make the server read, import and call (rl_core.sources; docs/
+# operations.md, "What a project may name"). Models: directories under these roots (a bare
+# name is looked up in each) and the demo model; Hugging Face ids only with STEEP_HUB_MODELS,
+# downloaded into the models directory's hub cache.
+STEEP_MODEL_ROOTS = [
+    str(Path(root).expanduser().resolve())
+    for root in envlist("STEEP_MODEL_ROOTS", [str(DATA_DIR / "models")])
+]
+STEEP_HUB_MODELS = envbool("STEEP_HUB_MODELS", False)
+if STEEP_HUB_MODELS:  # the web process reads their tokenizers: from the same cache as the jobs
+    os.environ.setdefault("HF_HUB_CACHE", str(DATA_DIR / "models" / "hub"))
+# Module prefixes whose functions a python reward may name (Steep's own rewards always may).
+STEEP_REWARD_MODULES = envlist("STEEP_REWARD_MODULES", [])
+for _module in STEEP_REWARD_MODULES:
+    if not all(part.isidentifier() for part in _module.split(".")):
+        raise ImproperlyConfigured(
+            f"STEEP_REWARD_MODULES: {_module!r} is not a module name; use e.g. mycorp.rewards."
+        )
+# Networks (CIDR) and host names a tenant's judge URL may reach although they are loopback,
+# private, link-local or this instance's own. Embedded default (DEBUG): the loopback only.
+STEEP_OUTBOUND_ALLOW = envlist(
+    "STEEP_OUTBOUND_ALLOW", ["127.0.0.0/8", "::1", "localhost"] if DEBUG else []
+)
+for _entry in STEEP_OUTBOUND_ALLOW:
+    try:
+        if "/" in _entry or _entry.replace(".", "").isdigit() or ":" in _entry:
+            ipaddress.ip_network(_entry, strict=False)
+    except ValueError:
+        raise ImproperlyConfigured(
+            f"STEEP_OUTBOUND_ALLOW: {_entry!r} is neither a network nor a host name; use e.g."
+            " 10.0.0.0/8,judge.internal."
+        ) from None
 
 REDIS_URL = envsecret("REDIS_URL")
 if REDIS_URL:

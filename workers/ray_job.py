@@ -34,6 +34,7 @@ import ray
 
 from rl_core.config import RunConfig
 from rl_core.failpoints import ENV as FAILPOINTS
+from rl_core.sources import SourceRules, config_source_errors, errors_text
 from workers.capacity import CapacityError, check_capacity, placement_timeout_s, resolve_backend
 from workers.job_api import InternalAPI, WebEpisodeSink, WebReporter, WebSource, job_arguments
 from workers.replicas import InferenceReplica, ray_options
@@ -43,6 +44,10 @@ STOP_POLL_S = 2.0
 SERVER_WATCH_S = 2.0  # how often the job checks that its inference servers still run
 SERVER_START_TIMEOUT_S = float(os.environ.get("STEEP_SERVER_START_TIMEOUT", "600"))
 SERVER_MAX_RESTART_FAILURES = 3
+
+
+class SourcesRefused(RuntimeError):
+    """The run's settings name what the instance's rules refuse (``rl_core.sources``)."""
 
 
 def _process_died(exc: BaseException) -> bool:
@@ -128,6 +133,11 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
     try:
         info = await api.config()
         config = RunConfig.from_dict(info["config"])
+        # The instance's rules, before anything is read or imported: the web app's verdict
+        # (it knows the project's checkpoints), and the job's own on what it was handed.
+        rules = SourceRules.from_dict(info.get("sources") or {})
+        if refused := info.get("source_errors") or config_source_errors(config, rules):
+            raise SourcesRefused(errors_text(refused))
         data_dir = Path(info["data_dir"])
         data_dir.mkdir(parents=True, exist_ok=True)
 
@@ -309,7 +319,7 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
             raise
         logger.exception("run %s failed", run_id)
         error = f"{type(exc).__name__}: {exc}"
-        if not isinstance(exc, CapacityError):  # that one says all there is to say
+        if not isinstance(exc, CapacityError | SourcesRefused):  # these say all there is to say
             error += f"\n\n{traceback.format_exc()[-4000:]}"
         try:
             await api.release()

@@ -37,7 +37,7 @@ def test_a_full_weight_run_on_a_pool_is_a_400_naming_the_field(api, make_pool, a
     "settings, says",
     [
         ({"inference_pool": "nope"}, "No inference pool is named 'nope'"),
-        ({"inference_pool": "shared", "base_model": "other-model"}, "serves tiny-llama"),
+        ({"inference_pool": "shared", "base_model": "other-model"}, "models/tiny-llama, not"),
         ({"inference_pool": "shared", "lora_rank": 128}, "up to rank 64"),
         (
             {"inference_pool": "narrow", "lora_target_modules": ["up_proj"]},

@@ -16,15 +16,15 @@ def run(*args) -> str:
     return out.getvalue()
 
 
-def test_create_scale_and_list(db, project, make_run, set_status):
+def test_create_scale_and_list(db, project, make_run, set_status, model_named):
     assert "No inference pools" in run("pool_list")
     said = run("pool_create", "shared", "--model", "tiny-llama", "--no-start", "--replicas", "2")
-    assert said.strip() == "Pool shared: tiny-llama, 2 replica(s), stopped."
+    assert said.strip() == f"Pool shared: {model_named('tiny-llama')}, 2 replica(s), stopped."
     attached = make_run(project, base_model="tiny-llama", lora_rank=4, inference_pool="shared")
     make_run(project, name="draft", base_model="tiny-llama", lora_rank=4, inference_pool="shared")
     set_status(attached, "running")  # drafts are not counted: they hold nothing of the pool
     listed = run("pool_list").splitlines()
-    assert listed[1].split() == ["shared", "stopped", "0/2", "1", "tiny-llama"]
+    assert listed[1].split() == ["shared", "stopped", "0/2", "1", model_named("tiny-llama")]
     scaled = run("pool_scale", "shared", "3")  # a stopped pool starts
     assert scaled.strip() == "Pool shared: 3 replica(s) wanted, starting."
     assert Pool.objects.get().replicas == 3

@@ -9,13 +9,13 @@ from webapp.pools.models import Pool
 BODY = {"name": "shared-tiny", "base_model": "tiny-llama", "backend": "torch", "start": False}
 
 
-def test_staff_create_list_show_and_scale_a_pool(staff_api):
+def test_staff_create_list_show_and_scale_a_pool(staff_api, model_named):
     created = staff_api.post("/api/v1/pools/", {**BODY, "replicas": 2}, format="json")
     assert created.status_code == 201, created.content
     pool = created.json()
     assert (pool["name"], pool["base_model"], pool["backend"]) == (
         "shared-tiny",
-        "tiny-llama",
+        model_named("tiny-llama"),  # as runs name it: the directory the servers load
         "torch",
     )
     assert (pool["replicas"], pool["status"], pool["max_lora_rank"]) == (2, "stopped", 64)

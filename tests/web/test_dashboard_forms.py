@@ -188,7 +188,7 @@ def browser_defaults(**changes) -> dict:
 
 
 def test_run_form_with_defaults_creates_a_run_with_the_same_config_as_the_api(
-    member_client, project
+    member_client, project, model_named
 ):
     from rl_core.config import RunConfig
 
@@ -198,7 +198,7 @@ def test_run_form_with_defaults_creates_a_run_with_the_same_config_as_the_api(
     run = Run.objects.get(project=project)
     assert response.status_code == 302
     assert response["Location"] == reverse("dashboard:run", args=[project.id, run.id])
-    assert run.config == RunConfig(mode="online", base_model="tiny-llama").to_dict()
+    assert run.config == RunConfig(mode="online", base_model=model_named("tiny-llama")).to_dict()
 
 
 def test_run_form_offers_the_pools_and_attaches_a_lora_run_to_the_one_picked(

@@ -1,5 +1,6 @@
 """base_model needs no typing: the form and ``GET /api/v1/models/`` offer the models this
-instance knows (the demo model, the project's, the model directories in DATA_DIR/models)."""
+instance offers (the demo model, the project's that the rules still allow, the model
+directories under STEEP_MODEL_ROOTS)."""
 
 from __future__ import annotations
 
@@ -28,12 +29,14 @@ def models_dir(settings, tmp_path):
         (settings.DATA_DIR / "models" / name).mkdir(parents=True)
         (settings.DATA_DIR / "models" / name / "config.json").write_text("{}")
     (settings.DATA_DIR / "models" / "half-downloaded").mkdir()  # no config.json: not a model
+    settings.STEEP_MODEL_ROOTS = [str(settings.DATA_DIR / "models")]
     return settings.DATA_DIR / "models"
 
 
 def test_the_demo_model_comes_first_then_the_projects_then_the_models_folder(
-    api, project, make_run, demo_model, models_dir
+    api, project, make_run, demo_model, models_dir, settings
 ):
+    settings.STEEP_HUB_MODELS = True
     make_run(project, name="old", base_model=str(models_dir / "smol"))
     make_run(project, name="new", base_model="Qwen/Qwen2.5-0.5B-Instruct")
     body = api.get("/api/v1/models/").json()
@@ -48,6 +51,7 @@ def test_the_demo_model_comes_first_then_the_projects_then_the_models_folder(
 def test_a_demo_model_that_was_never_built_is_not_offered(api, settings, tmp_path):
     settings.STEEP_DEMO_MODEL = str(tmp_path / "missing")
     settings.DATA_DIR = tmp_path
+    settings.STEEP_MODEL_ROOTS = [str(tmp_path / "models")]
     assert api.get("/api/v1/models/").json() == []
 
 
@@ -55,7 +59,17 @@ def test_another_projects_models_are_not_offered(
     api, other_project, make_run, demo_model, settings, tmp_path
 ):
     settings.DATA_DIR = tmp_path
-    make_run(other_project, base_model="/secret/their-model")
+    settings.STEEP_MODEL_ROOTS = [str(tmp_path / "models")]
+    (tmp_path / "models" / "theirs").mkdir(parents=True)  # a directory, not listed as a model
+    make_run(other_project, base_model=str(tmp_path / "models" / "theirs"))
+    assert [m["name"] for m in api.get("/api/v1/models/").json()] == [demo_model]
+
+
+def test_a_model_the_project_named_before_the_rules_is_no_longer_offered(
+    api, project, demo_model, settings, tmp_path
+):
+    settings.STEEP_MODEL_ROOTS = [str(tmp_path / "models")]
+    Run.objects.create(project=project, name="old", mode="online", base_model="/etc")
     assert [m["name"] for m in api.get("/api/v1/models/").json()] == [demo_model]
 
 
@@ -82,11 +96,11 @@ def test_the_run_form_fills_in_the_demo_model_and_lists_the_others(
 
 
 def test_the_run_form_fills_in_the_model_the_project_used_last(
-    member_client, project, make_run, demo_model
+    member_client, project, make_run, demo_model, models_dir
 ):
-    make_run(project, base_model="/models/mine")
+    make_run(project, base_model=str(models_dir / "smol"))
     html = member_client.get(reverse("dashboard:run-new", args=[project.id])).content.decode()
-    assert 'value="/models/mine"' in _base_model_input(html)
+    assert f'value="{models_dir / "smol"}"' in _base_model_input(html)
 
 
 def test_an_online_run_is_created_without_typing_a_model(member_client, project, demo_model):
@@ -102,6 +116,8 @@ def test_an_online_run_is_created_without_typing_a_model(member_client, project,
 
 def test_model_names_are_escaped_in_the_form(member_client, project, make_run, settings, tmp_path):
     settings.STEEP_DEMO_MODEL = str(tmp_path / "missing")
-    make_run(project, base_model='/m/"><script>x</script>')
+    settings.STEEP_MODEL_ROOTS = [str(tmp_path)]
+    (tmp_path / '"><img src=x onerror=alert(1)>').mkdir()
+    make_run(project, base_model='"><img src=x onerror=alert(1)>')
     html = member_client.get(reverse("dashboard:run-new", args=[project.id])).content.decode()
-    assert "<script>x</script>" not in html
+    assert "<img src=x" not in html and "&lt;img src=x" in html

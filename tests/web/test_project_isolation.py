@@ -261,3 +261,42 @@ def test_logged_in_non_member_naming_the_project_is_404(
 def test_logged_in_user_without_a_project_is_asked_to_name_one(member_client, api_error):
     error = api_error(member_client.get("/api/v1/runs/"), 400)
     assert "project" in error["fields"]
+
+
+# The settings that make the server read something, filled with another tenant's values, at
+# every door that takes run settings (each case in full: tests/web/test_tenant_sources.py).
+SETTINGS_DOORS = [("runs/", "post"), ("runs/<str:run_id>/clone/", "post")]
+
+
+def _their_settings(victim) -> list[tuple[str, object, object]]:
+    """(setting, the victim's value, a value that names nothing) pairs."""
+    return [
+        ("init_checkpoint", victim.checkpoint.pk, 987654),
+        ("init_checkpoint", str(victim.checkpoint.pk), "987654"),
+        ("init_checkpoint", victim.checkpoint.path, "/ckpt/nothing/v1"),
+        ("base_model", victim.checkpoint.path, "/ckpt/nothing/v1"),
+    ]
+
+
+def test_the_doors_that_take_run_settings_are_api_routes():
+    assert set(SETTINGS_DOORS) <= set(api_routes())
+
+
+@pytest.mark.parametrize("route,method", SETTINGS_DOORS)
+def test_settings_naming_another_projects_things_are_400_like_names_of_nothing(
+    other_api, other_project, make_run, victim, api_error, route, method
+):
+    own = make_run(other_project, name="own")
+    for setting, theirs, nothing in _their_settings(victim):
+
+        def attempt(value, setting=setting):
+            if route == "runs/":
+                body = {"name": "stolen", "mode": "online", "base_model": "m", setting: value}
+            else:
+                body = {"name": "stolen", "config": {setting: value}}
+            response = getattr(other_api, method)(path_for(route, own), body, format="json")
+            return " ".join(api_error(response, 400)["fields"][setting])
+
+        their_answer = attempt(theirs)
+        assert their_answer == attempt(nothing).replace(str(nothing), str(theirs)), setting
+        assert not Run.objects.filter(name="stolen").exists()

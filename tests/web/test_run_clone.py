@@ -71,7 +71,7 @@ def test_a_clone_from_a_checkpoint_starts_from_its_weights(api, finished, checkp
     response = api.post(clone_url(finished), {"from_checkpoint": 20}, format="json")
     assert response.status_code == 201
     body = response.json()
-    assert body["config"]["init_checkpoint"] == checkpoint.path
+    assert body["config"]["init_checkpoint"] == str(checkpoint.pk)  # by id, never a path
     assert body["config"]["base_model"] == finished.base_model  # tokenizer, dtype: the base's
     assert body["name"] == "letters (from step 20)"
     assert "checkpoint step 20" in body["events"][0]["message"]
@@ -80,7 +80,7 @@ def test_a_clone_from_a_checkpoint_starts_from_its_weights(api, finished, checkp
 def test_a_clone_of_a_clone_keeps_starting_from_the_same_checkpoint(api, finished, checkpoint):
     first = api.post(clone_url(finished), {"from_checkpoint": 20}, format="json").json()
     second = api.post(f"/api/v1/runs/{first['id']}/clone/", format="json").json()
-    assert second["config"]["init_checkpoint"] == checkpoint.path
+    assert second["config"]["init_checkpoint"] == str(checkpoint.pk)
 
 
 def test_an_unknown_checkpoint_step_is_400_listing_the_steps_there_are(
@@ -159,7 +159,7 @@ def test_run_again_makes_a_draft_and_opens_its_page(member_client, project, fini
 def test_run_again_from_a_checkpoint(member_client, project, finished, checkpoint):
     url = reverse("dashboard:run-again", args=[project.id, finished.id])
     member_client.post(url, {"from_checkpoint": "20"})
-    assert Run.objects.exclude(pk=finished.pk).get().config["init_checkpoint"] == checkpoint.path
+    assert Run.objects.exclude(pk=finished.pk).get().config["init_checkpoint"] == str(checkpoint.pk)
 
 
 @pytest.mark.parametrize("step", ["7", "soon"])

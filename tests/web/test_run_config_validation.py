@@ -35,7 +35,8 @@ def dataset(project, make_dataset):
         ({"name": "r1", "mode": "online"}, "base_model", "required"),
         (ONLINE | {"base_model": "   "}, "base_model", "base_model"),
         (ONLINE | {"base_model": None}, "base_model", "null"),
-        (ONLINE | {"init_checkpoint": 7}, "init_checkpoint", "string"),
+        (ONLINE | {"init_checkpoint": 7}, "init_checkpoint", "No checkpoint '7' in this project"),
+        (ONLINE | {"init_checkpoint": 7.5}, "init_checkpoint", "string"),
         (ONLINE | {"init_checkpoint": " /c/step_20"}, "init_checkpoint", "surrounding spaces"),
         (DATASET | {"reward": {"type": "exact_match"}}, "dataset", "Dataset mode needs a dataset"),
         (DATASET, "reward", "needs a reward"),
@@ -105,11 +106,11 @@ def test_unknown_dataset_id_is_400_not_found(api, api_error):
     assert "not found" in error["fields"]["dataset"][0].lower()
 
 
-def test_online_run_gets_every_default_filled_in(api):
+def test_online_run_gets_every_default_filled_in(api, model_named):
     response = api.post("/api/v1/runs/", ONLINE, format="json")
     assert response.status_code == 201, response.content
     body = response.json()
-    expected = RunConfig(mode="online", base_model="tiny-llama").to_dict()
+    expected = RunConfig(mode="online", base_model=model_named("tiny-llama")).to_dict()
     assert body["config"] == expected
     assert body["config"]["max_staleness"] == 4 and body["config"]["batch_size"] == 8
     assert body["status"] == "draft" and body["mode"] == "online" and body["dataset"] is None

@@ -279,8 +279,9 @@ def test_session_page_shows_a_character_split_over_byte_tokens_once(
 
 
 def test_session_page_without_a_tokenizer_shows_token_ids(
-    member_client, world, make_run, make_agent, make_session
+    member_client, world, make_run, make_agent, make_session, settings
 ):
+    settings.STEEP_HUB_MODELS = True  # a Hugging Face id this machine never downloaded
     run = make_run(world.project, name="remote", base_model="Org/not-here-7B")
     agent = make_agent(world.project, name="remote-agent", run=run)
     session = make_session(

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 from django import forms
 from django.contrib.auth import get_user_model
@@ -96,12 +97,13 @@ class RunForm(forms.Form):
     ``models``: the base models to offer (``webapp.runs.selectors.known_models``); the
     project's newest, else the first (the demo model), is filled in. ``pools``: the shared
     inference pools a LoRA run may attach to (``inference_pool`` becomes a select of them).
+    ``checkpoints``: the project's, which ``init_checkpoint`` offers by id.
     """
 
     name = forms.CharField(max_length=200)
     dataset = forms.ChoiceField(required=False, help_text="Required in dataset mode.")
 
-    def __init__(self, *args, datasets=(), models=(), pools=(), **kwargs):
+    def __init__(self, *args, datasets=(), models=(), pools=(), checkpoints=(), **kwargs):
         super().__init__(*args, **kwargs)
         self.fields["dataset"].choices = [("", "— none —")] + [
             (str(d.id), f"{d.name} ({d.row_count} rows)") for d in datasets
@@ -114,9 +116,19 @@ class RunForm(forms.Form):
             self.fields["inference_pool"] = forms.ChoiceField(
                 required=False,
                 choices=[("", "— servers of the run's own —")]
-                + [(p.name, f"{p.name} ({p.base_model}, {p.status})") for p in pools],
+                + [
+                    (p.name, f"{p.name} ({Path(p.base_model).name or p.base_model}, {p.status})")
+                    for p in pools
+                ],
                 help_text=pool.help_text + " Set lora_rank above 0 to attach.",
             )
+        start = self.fields["init_checkpoint"]
+        self.fields["init_checkpoint"] = forms.ChoiceField(
+            required=False,
+            choices=[("", "— base_model's weights —")]
+            + [(str(c.pk), f"{c.run.name} · step {c.step} (id {c.pk})") for c in checkpoints],
+            help_text=start.help_text,
+        )
         names = [m.name for m in models]
         preferred = [m.name for m in models if m.source == "project"] or names
         base_model = self.fields["base_model"]

@@ -62,6 +62,7 @@ from webapp.runs.selectors import (
     metric_latest,
     metric_points,
     metric_step_times,
+    project_checkpoint_list,
     run_event_list,
     run_get,
     run_last_restart,
@@ -261,6 +262,7 @@ def run_new(request, project_id):
         datasets=project_datasets,
         models=known_models(project=project),
         pools=pool_list(),
+        checkpoints=project_checkpoint_list(project=project),
     )
     if request.method == "POST" and form.is_valid():
         dataset = None

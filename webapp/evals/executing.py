@@ -21,6 +21,7 @@ from django.db import connection
 
 from rl_core.config import stored_setting
 from rl_core.evals import split_rows
+from rl_core.sources import errors_text
 from webapp.datasets.selectors import dataset_rows
 from webapp.evals.models import Eval
 from webapp.evals.services import (
@@ -31,6 +32,7 @@ from webapp.evals.services import (
     eval_start,
     read_results,
 )
+from webapp.runs.sources import run_sourced
 
 logger = logging.getLogger(__name__)
 
@@ -93,10 +95,14 @@ def _heartbeat(evaluation: Eval, ended: threading.Event) -> None:
 
 def _execute(evaluation: Eval, rows: list[dict]) -> str:
     eval_id = evaluation.pk
+    run = evaluation.run
+    _, refused = run_sourced(run=run)  # the run's model and reward code, under today's rules
+    if refused:
+        eval_fail(evaluation=evaluation, error=errors_text(refused))
+        return "failed"
     if not rows:
         eval_fail(evaluation=evaluation, error="There are no rows to evaluate.")
         return "failed"
-    run = evaluation.run
     model = evaluation.checkpoint.path if evaluation.checkpoint else run.base_model
     if evaluation.checkpoint and not Path(model).is_dir():
         eval_fail(evaluation=evaluation, error=f"The checkpoint's files are gone ({model}).")

@@ -12,8 +12,10 @@ from collections.abc import Sequence
 from django.core.exceptions import ValidationError
 from django.db import transaction
 
+from rl_core.sources import SourceRefused, model_source
 from webapp.accounts.keys import generate_key, hash_key
 from webapp.pools.models import Pool, PoolServer
+from webapp.runs.sources import source_rules
 
 P = Pool.Status
 JOB_SECRET_PREFIX = "steep-pool-"
@@ -100,9 +102,19 @@ def pool_create(
     max_sessions_per_run: int = 0,
     max_requests_per_run: int = 0,
     start: bool = True,
+    unrestricted: bool = False,
 ) -> Pool:
-    """Create a pool (and start it unless ``start`` is false); ``PoolInvalid`` names each bad field."""
+    """Create a pool (and start it unless ``start`` is false); ``PoolInvalid`` names each bad field.
+
+    ``base_model`` must be a model the instance offers (``rl_core.sources``), as for a run,
+    unless ``unrestricted`` (an operator's explicit bypass); it is stored as runs name it.
+    """
     errors: dict[str, list[str]] = {}
+    if isinstance(base_model, str) and base_model.strip():
+        try:
+            base_model = model_source(base_model, source_rules(unrestricted=unrestricted))
+        except SourceRefused as exc:
+            errors[exc.setting] = [str(exc)]
     if replica_errors := _check_replicas(replicas):
         errors["replicas"] = replica_errors
     modules = list(lora_target_modules)

@@ -18,7 +18,9 @@ import httpx
 import jsonschema
 
 from rl_core.reward_specs import reward_setting
+from rl_core.sources import screened_client
 from webapp.rewards.secrets import KeyUnavailable, judge_api_key
+from webapp.runs.sources import source_rules
 
 if TYPE_CHECKING:
     import openai
@@ -187,7 +189,8 @@ def _ask_endpoint(client: openai.OpenAI, spec: dict, messages: list[dict]) -> tu
             max_tokens=int(reward_setting(spec, "max_tokens")),
         )
     except (openai.APIConnectionError, openai.APITimeoutError) as exc:
-        raise _Outage(f"the judge is unreachable: {exc}") from None
+        # The SDK says "Connection error."; its cause says which (a refused host names its setting).
+        raise _Outage(f"the judge is unreachable: {exc.__cause__ or exc}") from None
     except openai.APIStatusError as exc:
         raise _Outage(f"the judge answered HTTP {exc.status_code}: {exc.message}") from None
     usage = reply.usage
@@ -244,6 +247,8 @@ def judge_answers(
                 api_key=judge_api_key(spec),
                 timeout=float(reward_setting(spec, "timeout_s")),
                 max_retries=0,  # our backoff, not the SDK's, decides when to ask again
+                # Each request's host is screened as it is sent, and no redirect is followed.
+                http_client=screened_client(source_rules(), setting="reward.base_url"),
             )
         except KeyUnavailable as exc:
             return CallResult(None, str(exc), outage=True)

@@ -68,8 +68,9 @@ class RunCreateInput(serializers.Serializer):
         fields = super().get_fields()
         fields.update({spec.name: _config_field(spec) for spec in RunConfig.field_specs()})
         fields["base_model"].help_text += (
-            " GET /api/v1/models/ lists the models this instance knows (the demo model,"
-            " the project's, those in DATA_DIR/models)."
+            " GET /api/v1/models/ lists the models this instance offers (the demo model,"
+            " the project's, the model directories under STEEP_MODEL_ROOTS); anything else"
+            " is refused."
         )
         return fields
 
@@ -372,7 +373,8 @@ class KnownModelOutput(serializers.Serializer):
     source = serializers.ChoiceField(
         choices=["demo", "project", "models_dir"],
         help_text="demo: the demo model; project: a run of this project uses it; "
-        "models_dir: a model directory in DATA_DIR/models.",
+        "models_dir: a model directory under the operator's model roots (STEEP_MODEL_ROOTS, "
+        "default DATA_DIR/models).",
     )
 
 

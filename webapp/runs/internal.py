@@ -38,6 +38,7 @@ from webapp.accounts.auth import bearer_token
 from webapp.runs import jobs
 from webapp.runs.models import Run
 from webapp.runs.services import IllegalTransition
+from webapp.runs.sources import run_sourced, source_rules
 
 
 class BadRequest(Exception):
@@ -239,12 +240,17 @@ async def _long_poll(check: Callable[[], T], wait_s: float) -> T:
 @internal("GET")
 def config(request, run: Run):
     checkpoint = run.checkpoints.order_by("-version").first()
+    # init_checkpoint as its directory; what the instance's rules refuse, for the job to fail
+    # with before it reads or imports anything; the rules, for the job to check them itself.
+    settings_, refused = run_sourced(run=run)
     return JsonResponse(
         {
             "run_id": str(run.id),
             "name": run.name,
             "status": run.status,
-            "config": run.config,
+            "config": settings_,
+            "source_errors": refused,
+            "sources": source_rules(unrestricted=run.sources_unrestricted).to_dict(),
             "step": run.step,
             "weight_version": run.weight_version,
             "attempt": run.job_attempt,

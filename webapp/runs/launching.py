@@ -7,6 +7,7 @@ API) is ``workers.ray_cluster``; every status change goes through ``run_transiti
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -16,11 +17,13 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+from rl_core.sources import errors_text
 from webapp.gateway.models import InferenceServer
 from webapp.runs.jobs import job_release, job_secret_issue
 from webapp.runs.models import ClusterReport, Run, RunEvent
 from webapp.runs.queueing import run_wait_reason
 from webapp.runs.services import IllegalTransition, run_queue, run_transition, run_wait
+from webapp.runs.sources import run_sourced
 from workers.ray_cluster import (
     RayCluster,
     RayUnavailable,
@@ -86,6 +89,9 @@ def _submit(run: Run) -> str:
         "STEEP_PLACEMENT_TIMEOUT_S": str(settings.STEEP_PLACEMENT_TIMEOUT_S),
         "STEEP_WEIGHT_SYNC_TIMEOUT_S": str(settings.STEEP_WEIGHT_SYNC_TIMEOUT_S),
     }
+    if settings.STEEP_HUB_MODELS and "HF_HUB_CACHE" not in os.environ:
+        # Hugging Face ids are downloaded into the models directory, not a user's home.
+        env["HF_HUB_CACHE"] = str(settings.DATA_DIR / "models" / "hub")
     if settings.STEEP_FAILPOINTS:  # chaos tests (rl_core.failpoints)
         env["STEEP_FAILPOINTS"] = settings.STEEP_FAILPOINTS
     if cluster.local:  # this machine: record the inference servers where a stop of Steep finds them
@@ -125,6 +131,13 @@ def run_launch(*, run_id: str) -> str:
     run = Run.objects.filter(pk=run_id).first()
     if run is None or run.status != S.QUEUED:
         return "skipped"
+    _, refused = run_sourced(run=run)
+    if refused:  # the instance's rules, checked again: a config written before them, or by hand
+        try:
+            run_transition(run=run, to=S.FAILED, error=errors_text(refused))
+        except IllegalTransition:
+            return "skipped"
+        return "failed"
     try:
         if _start_or_wait(run):
             return "queued"

@@ -61,6 +61,9 @@ class Run(models.Model):
     # Relaunches after a crash (the reconciler's) since the run was last started by hand;
     # RUN_MAX_RESTARTS bounds it. Resuming an interrupted run does not count.
     crash_restarts = models.PositiveIntegerField(default=0)
+    # An operator created the run past the instance's rules on purpose (a management command's
+    # --unrestricted): its launch does not check them again (webapp.runs.sources).
+    sources_unrestricted = models.BooleanField(default=False)
     created_at = models.DateTimeField(default=timezone.now)
     updated_at = models.DateTimeField(auto_now=True)
     queued_at = models.DateTimeField(null=True, blank=True)

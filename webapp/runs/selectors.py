@@ -18,9 +18,11 @@ from django.db.models import (
 )
 from django.http import Http404
 
+from rl_core.sources import SourceRefused, model_source
 from webapp.accounts.models import Project
 from webapp.accounts.selectors import parse_uuid
 from webapp.runs.models import Checkpoint, MetricPoint, Run, RunEvent
+from webapp.runs.sources import source_rules
 
 
 def run_list(*, project: Project, status: str | None = None) -> QuerySet[Run]:
@@ -86,6 +88,15 @@ def checkpoint_list(*, run: Run) -> QuerySet[Checkpoint]:
     return Checkpoint.objects.filter(run=run).order_by("-version")
 
 
+def project_checkpoint_list(*, project: Project, limit: int = 200) -> QuerySet[Checkpoint]:
+    """The project's checkpoints, newest first: what a new run may start from (init_checkpoint)."""
+    return (
+        Checkpoint.objects.filter(run__project=project)
+        .select_related("run")
+        .order_by("-created_at", "-pk")[:limit]
+    )
+
+
 def checkpoint_get(*, run: Run, checkpoint_id) -> Checkpoint:
     """One of the run's checkpoints by id; another run's (or project's) answers 404."""
     try:
@@ -126,13 +137,15 @@ def metric_step_times(*, run: Run, last: int) -> list[tuple[int, float]]:
 
 @dataclass(frozen=True)
 class KnownModel:
-    name: str  # what base_model takes: a local directory (or a Hugging Face id)
+    name: str  # what base_model takes: a model directory (or a Hugging Face id)
     source: str  # "demo" | "project" (a run of the project uses it) | "models_dir"
 
 
 def known_models(*, project: Project) -> list[KnownModel]:
-    """The models this instance knows, to offer as ``base_model``: the demo model, those the
-    project's runs use (newest first), and the model directories in ``DATA_DIR/models``."""
+    """The models this instance offers ``project`` as ``base_model``: the demo model, those the
+    project's runs use (newest first) that the instance's rules still allow, and the model
+    directories under the model roots (``STEEP_MODEL_ROOTS``, default ``DATA_DIR/models``)."""
+    rules = source_rules()
     found: list[KnownModel] = []
     demo = settings.STEEP_DEMO_MODEL
     if Path(demo).is_dir() or not demo.startswith(("/", ".")):
@@ -142,11 +155,15 @@ def known_models(*, project: Project) -> list[KnownModel]:
         .order_by("-created_at")
         .values_list("base_model", flat=True)[:200]
     ):
-        found.append(KnownModel(name, "project"))
-    models_dir = Path(settings.DATA_DIR) / "models"
-    if models_dir.is_dir():
-        for config in sorted(models_dir.glob("*/config.json")):
-            found.append(KnownModel(str(config.parent), "models_dir"))
+        try:
+            if model_source(name, rules) == name:
+                found.append(KnownModel(name, "project"))
+        except SourceRefused:
+            pass  # named before the rules, or no longer offered
+    for root in map(Path, rules.model_roots):
+        if root.is_dir():
+            for config in sorted(root.glob("*/config.json")):
+                found.append(KnownModel(str(config.parent), "models_dir"))
     unique: dict[str, KnownModel] = {}
     for model in found:
         unique.setdefault(model.name, model)  # the first source named wins

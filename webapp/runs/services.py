@@ -15,6 +15,7 @@ from webapp.pools.selectors import pool_attach_errors
 from webapp.rewards.secrets import seal_config
 from webapp.runs.events import publish_run_event, status_event
 from webapp.runs.models import Checkpoint, ClusterReport, Run, RunEvent
+from webapp.runs.sources import config_sourced, source_rules
 from workers.capacity import CapacityError, check_capacity, resolve_backend
 
 S = Run.Status
@@ -60,9 +61,24 @@ class RunInvalid(Exception):
 
 
 def run_create(
-    *, project: Project, name: str, config: RunConfig, dataset: Dataset | None = None
+    *,
+    project: Project,
+    name: str,
+    config: RunConfig,
+    dataset: Dataset | None = None,
+    unrestricted: bool = False,
 ) -> Run:
-    """Create a draft run from an already validated config."""
+    """Create a draft run from an already validated config.
+
+    What the config makes the server read, import and call is checked against the instance's
+    rules (``webapp.runs.sources``); ``unrestricted`` is an operator's explicit bypass (a
+    management command's flag), remembered so that the launch does not refuse it either.
+    """
+    config, refused = config_sourced(
+        project=project, config=config, rules=source_rules(unrestricted=unrestricted)
+    )
+    if refused:
+        raise RunInvalid(refused)
     if config.mode == Run.Mode.DATASET and dataset is None:
         raise RunInvalid(
             {"dataset": ["Dataset mode needs a dataset: upload one and pass its id as 'dataset'."]}
@@ -78,6 +94,7 @@ def run_create(
         base_model=config.base_model,
         dataset=dataset,
         config=seal_config(config.to_dict()),  # a judge's api_key is stored encrypted
+        sources_unrestricted=unrestricted,
     )
     RunEvent.objects.create(
         run=run,
@@ -138,8 +155,15 @@ def run_clone(
     known = {spec.name for spec in RunConfig.field_specs()}
     # Settings stored before a field was removed are dropped; new fields take their defaults.
     values = {key: value for key, value in run.config.items() if key in known}
+    if values.get("init_checkpoint") and not str(values["init_checkpoint"]).isdigit():
+        # A config written before checkpoints were named by id holds a path: the source's
+        # own project's checkpoint at that path, by its id (refused by run_create otherwise).
+        recorded = Checkpoint.objects.filter(
+            path=values["init_checkpoint"], run__project=run.project
+        ).first()
+        values["init_checkpoint"] = str(recorded.pk) if recorded else values["init_checkpoint"]
     if checkpoint is not None:
-        values["init_checkpoint"] = checkpoint.path
+        values["init_checkpoint"] = str(checkpoint.pk)
     values |= overrides or {}
     try:
         config = RunConfig.from_dict(values)
@@ -150,7 +174,13 @@ def run_clone(
     if name is None:
         suffix = f" (from step {checkpoint.step})" if checkpoint is not None else " (again)"
         name = run.name[: 200 - len(suffix)] + suffix
-    clone = run_create(project=run.project, name=name, config=config, dataset=run.dataset)
+    clone = run_create(
+        project=run.project,
+        name=name,
+        config=config,
+        dataset=run.dataset,
+        unrestricted=run.sources_unrestricted and not overrides,
+    )
     source = (
         f"checkpoint step {checkpoint.step} of" if checkpoint is not None else "the settings of"
     )

@@ -9,7 +9,12 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser):
         parser.add_argument("name", help="Unique name (lowercase letters, digits, dashes).")
-        parser.add_argument("--model", required=True, help="Base model: local path or HF id.")
+        parser.add_argument(
+            "--model",
+            required=True,
+            help="Base model: a model the instance offers (a directory under STEEP_MODEL_ROOTS,"
+            " the demo model; a Hugging Face id with STEEP_HUB_MODELS).",
+        )
         parser.add_argument("--backend", default="auto", choices=Pool.Backend.values)
         parser.add_argument("--replicas", type=int, default=1, help="Servers (default 1).")
         parser.add_argument("--max-lora-rank", type=int, default=64)
@@ -18,6 +23,11 @@ class Command(BaseCommand):
         parser.add_argument("--max-sessions-per-run", type=int, default=0, help="0: no limit.")
         parser.add_argument("--max-requests-per-run", type=int, default=0, help="0: no limit.")
         parser.add_argument("--no-start", action="store_true", help="Create it stopped.")
+        parser.add_argument(
+            "--unrestricted",
+            action="store_true",
+            help="Take --model as it is, past the instance's model rules (an operator's choice).",
+        )
 
     def handle(self, *args, **options):
         try:
@@ -32,6 +42,7 @@ class Command(BaseCommand):
                 max_sessions_per_run=options["max_sessions_per_run"],
                 max_requests_per_run=options["max_requests_per_run"],
                 start=not options["no_start"],
+                unrestricted=options["unrestricted"],
             )
         except PoolInvalid as exc:
             raise CommandError(str(exc)) from None
