@@ -102,13 +102,18 @@ class WeightGroup:
         self.device = torch.device(device)
         try:
             # Rank 0 serves the rendezvous; the others connect (and wait up to the timeout).
+            # A member registers as a worker (TCPStore's wait_for_workers on a client adds
+            # itself to the count and returns): a master made by torch.distributed.rendezvous,
+            # as SGLang's init_custom_process_group makes it, waits for every member to
+            # register and would otherwise wait out its timeout. Steep's own rank 0 does not
+            # wait, since it asks the servers to join only after its store is up.
             self._store: Any = dist.TCPStore(
                 master_address,
                 int(master_port),
                 world_size,
                 is_master=rank == 0,
                 timeout=self.timeout,
-                wait_for_workers=False,
+                wait_for_workers=rank != 0,
             )
             # The key layout of SGLang's init_custom_process_group: the group name, then
             # what torch's _new_process_group_helper adds (group name, device).
