@@ -73,6 +73,12 @@ def test_a_run_created_from_the_form_and_an_agent_with_its_base_url(
     assert not Run.objects.filter(project=project).exists()
     page.fill("input[name=max_staleness]", "2")
     page.click("button:has-text('Create run')")
+    # A directory the instance does not offer as a model: said where models may come from.
+    assert "is not a model directory this instance offers" in page.content()
+    assert "STEEP_MODEL_ROOTS" in page.content()
+    assert not Run.objects.filter(project=project).exists()
+    page.fill("input[name=base_model]", "tiny-llama")  # one of the tests' model directories
+    page.click("button:has-text('Create run')")
     page.wait_for_url("**/runs/*/")
     run = Run.objects.get(project=project)
     assert run.config["max_staleness"] == 2 and run.status == "draft"
