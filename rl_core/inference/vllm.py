@@ -1,0 +1,337 @@
+"""vLLM (0.32 and later) as an inference backend: its launcher and its client.
+
+Steep speaks SGLang's protocol everywhere above the client (``rl_core.inference.client``);
+``VLLMClient`` is that client with vLLM's wire underneath, so the resume loop, the per-token
+versions and the weight sync above it run unchanged:
+
+- generation: token-in/token-out ``POST /inference/v1/generate`` (``--enable-scale-out``):
+  ``token_ids`` and vLLM's ``sampling_params`` out, ``choices[0].token_ids``, ``logprobs`` and
+  ``weight_versions`` spans back, translated to SGLang's answer (``output_ids``,
+  ``meta_info.output_token_logprobs``, ``finish_reason.type``, ``weight_versions``); a stream's
+  events carry only what is new, and are accumulated into SGLang's cumulative events;
+- abort by request id: ``POST /inference/v1/abort_requests``;
+- pause and resume: ``POST /pause?mode=abort|keep|wait`` and ``/resume`` (the RL routes,
+  which need ``VLLM_SERVER_DEV_MODE=1``);
+- weights from disk without a restart: ``POST /collective_rpc`` ``reload_weights`` with
+  ``weights_path`` (the workers reload in place), then ``/update_weight_version``;
+- the weight version: ``GET /weight_info``.
+
+Logprobs are of the distribution actually sampled: ``--logprobs-mode processed_logprobs``
+(after temperature and the top-p/top-k truncation), what SGLang reports and the trainer
+recomputes. vLLM runs from an environment of its own (``STEEP_VLLM_PYTHON``, default
+``.venv-vllm`` beside Steep's, made by ``./steep install --vllm``): it pins transformers and
+fastapi ranges of its own. This module imports neither torch nor vllm.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncGenerator, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from rl_core.inference.client import InferenceClient, _error_for, _sse_events
+from rl_core.inference.process import InferenceServer
+from rl_core.inference.protocol import InferenceUnavailable, parse_weight_version
+
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+# What the RL routes and runtime LoRA loading need; logprobs of the sampled distribution.
+VLLM_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+
+
+def vllm_python() -> str:
+    """The interpreter of vLLM's environment (``STEEP_VLLM_PYTHON``, else ``.venv-vllm``)."""
+    return os.environ.get("STEEP_VLLM_PYTHON") or str(DEFAULT_PYTHON)
+
+
+def vllm_available() -> bool:
+    return Path(vllm_python()).exists()
+
+
+class VLLMServer(InferenceServer):
+    """``python -m vllm.entrypoints.openai.api_server`` from vLLM's own environment."""
+
+    backend = "vllm"
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike[str],
+        *,
+        tensor_parallel_size: int = 1,
+        dtype: str | None = None,
+        max_model_len: int | None = None,
+        max_num_seqs: int | None = None,
+        gpu_memory_utilization: float | None = None,
+        served_model_name: str | None = None,
+        seed: int | None = None,
+        lora_rank: int = 0,
+        max_loras: int | None = None,
+        kv_cache_space_gb: float | None = None,
+        **kwargs: Any,
+    ):
+        super().__init__(model_path, **kwargs)
+        self.tensor_parallel_size = tensor_parallel_size
+        self.dtype = dtype
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.served_model_name = served_model_name
+        self.seed = seed
+        self.lora_rank = lora_rank
+        self.max_loras = max_loras
+        self.kv_cache_space_gb = kv_cache_space_gb
+
+    def command(self) -> list[str]:
+        cmd = [
+            vllm_python(), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", self.model_path,
+            "--host", self.host,
+            "--port", str(self.port),
+            "--enable-scale-out",  # the token-in/token-out /inference/v1/generate
+            "--logprobs-mode", "processed_logprobs",
+            "--tensor-parallel-size", str(self.tensor_parallel_size),
+        ]  # fmt: skip
+        optional = {
+            "--dtype": self.dtype,
+            "--max-model-len": self.max_model_len,
+            "--max-num-seqs": self.max_num_seqs,
+            "--gpu-memory-utilization": self.gpu_memory_utilization,
+            "--served-model-name": self.served_model_name,
+            "--seed": self.seed,
+        }
+        for flag, value in optional.items():
+            if value is not None:
+                cmd += [flag, str(value)]
+        if self.lora_rank > 0:
+            cmd += ["--enable-lora", "--max-lora-rank", str(self.lora_rank)]
+            if self.max_loras is not None:
+                cmd += ["--max-loras", str(self.max_loras)]
+        return cmd + self.extra_args
+
+    def environment(self) -> dict[str, str]:
+        env = {**super().environment(), **VLLM_ENV}
+        if self.kv_cache_space_gb is not None:  # the CPU build's KV cache, in GiB
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_space_gb)
+        return env
+
+
+def vllm_sampling_params(params: dict[str, Any], *, top_n: int, logprobs: bool) -> dict[str, Any]:
+    """SGLang's ``sampling_params`` names as vLLM's ``SamplingParams``."""
+    out: dict[str, Any] = {"max_tokens": int(params.get("max_new_tokens", 128))}
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty"):
+        if params.get(name) is not None:
+            out[name] = params[name]
+    if params.get("repetition_penalty") is not None:
+        out["repetition_penalty"] = params["repetition_penalty"]
+    if params.get("top_k") is not None and int(params["top_k"]) > 0:
+        out["top_k"] = int(params["top_k"])
+    if params.get("stop"):
+        out["stop"] = params["stop"]
+    if params.get("stop_token_ids"):
+        out["stop_token_ids"] = [int(t) for t in params["stop_token_ids"]]
+    if params.get("ignore_eos"):
+        out["ignore_eos"] = True
+    if params.get("min_new_tokens"):
+        out["min_tokens"] = int(params["min_new_tokens"])
+    if params.get("sampling_seed") is not None:
+        out["seed"] = int(params["sampling_seed"])
+    if logprobs:
+        out["logprobs"] = int(top_n)  # 0: the sampled token's own logprob only
+    out["skip_special_tokens"] = False
+    return out
+
+
+def vllm_generate_body(body: dict[str, Any]) -> dict[str, Any]:
+    """A Steep (SGLang) ``/generate`` body as vLLM's ``/inference/v1/generate`` request."""
+    request: dict[str, Any] = {
+        "request_id": body["rid"],
+        "token_ids": list(body["input_ids"]),
+        "sampling_params": vllm_sampling_params(
+            body.get("sampling_params") or {},
+            top_n=int(body.get("top_logprobs_num") or 0),
+            logprobs=bool(body.get("return_logprob", True)),
+        ),
+        "stream": bool(body.get("stream")),
+    }
+    if body.get("lora_path"):
+        request["model"] = body["lora_path"]  # a loaded adapter is named as a model
+    return request
+
+
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort", "cancelled": "abort"}
+
+
+class _Answer:
+    """One vLLM request's answer so far, in SGLang's cumulative shape."""
+
+    def __init__(self, top_n: int):
+        self.top_n = top_n
+        self.ids: list[int] = []
+        self.logprobs: list[list] = []
+        self.top: list[list[list]] = []
+        self.spans: list[dict[str, Any]] = []
+        self.finish: dict[str, Any] | None = None
+
+    def add(self, data: dict[str, Any]) -> dict[str, Any]:
+        choice = (data.get("choices") or [{}])[0]
+        start = len(self.ids)
+        new_ids = [int(t) for t in choice.get("token_ids") or []]
+        self.ids += new_ids
+        for entry in ((choice.get("logprobs") or {}).get("content")) or []:
+            self.logprobs.append([float(entry["logprob"]), int(entry["token_id"]), None])
+            if self.top_n:  # vLLM lists the sampled token among them; SGLang, the best first
+                best = sorted(entry.get("top_logprobs") or [], key=lambda t: -t["logprob"])
+                self.top.append(
+                    [[float(t["logprob"]), int(t["token_id"]), None] for t in best][: self.top_n]
+                )
+        for span in choice.get("weight_versions") or []:  # over this event's tokens
+            version, begin, end = span["version"], start + span["start"], start + span["end"]
+            if self.spans and self.spans[-1]["version"] == version:
+                self.spans[-1]["end"] = end
+            else:
+                self.spans.append({"version": version, "start": begin, "end": end})
+        reason = choice.get("finish_reason")
+        if reason:
+            self.finish = {"type": _FINISH.get(reason, reason)}
+            if choice.get("stop_reason") is not None:
+                self.finish["matched"] = choice["stop_reason"]
+        return self.sglang()
+
+    def sglang(self) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "output_token_logprobs": self.logprobs,
+            "finish_reason": self.finish,
+            "weight_versions": self.spans,
+            "completion_tokens": len(self.ids),
+        }
+        if self.spans:
+            meta["weight_version"] = self.spans[-1]["version"]
+        if self.top_n:
+            meta["output_top_logprobs"] = self.top
+        return {"text": "", "output_ids": list(self.ids), "meta_info": meta}
+
+
+class VLLMClient(InferenceClient):
+    """``InferenceClient`` for a vLLM server: SGLang's interface, vLLM's routes."""
+
+    backend = "vllm"
+
+    async def _post_generate(self, body: dict[str, Any]) -> Any:
+        request = vllm_generate_body(body)
+        answer = _Answer(int(body.get("top_logprobs_num") or 0))
+        response = await self._request("POST", "/inference/v1/generate", json_body=request)
+        return answer.add(response.json())
+
+    async def _segment_events(
+        self, body: dict[str, Any], *, stream: bool
+    ) -> AsyncGenerator[Any, None]:
+        if not stream:
+            yield await self._post_generate(body)
+            return
+        request = vllm_generate_body(body)
+        answer = _Answer(int(body.get("top_logprobs_num") or 0))
+        url = self.base_url + "/inference/v1/generate"
+        try:
+            async with self._http.stream("POST", url, json=request) as response:
+                if response.status_code >= 400:
+                    await response.aread()
+                    raise _error_for(response, "POST /inference/v1/generate")
+                async for data in _sse_events(response):
+                    yield answer.add(data)
+        except httpx.TransportError as exc:
+            raise InferenceUnavailable(f"POST {url} (stream): {exc!r}") from exc
+
+    async def pause_generation(self, mode: str = "abort") -> dict[str, Any]:
+        """``abort`` ends every request in flight (they return aborted and are resumed);
+        ``keep`` (SGLang's ``in_place``) freezes them until ``continue_generation``."""
+        vllm_mode = {"in_place": "keep", "retract": "keep"}.get(mode, mode)
+        response = await self._request(
+            "POST", f"/pause?mode={vllm_mode}", timeout=self._control_timeout
+        )
+        return response.json()
+
+    async def continue_generation(self) -> dict[str, Any]:
+        return (await self._request("POST", "/resume", timeout=self._control_timeout)).json()
+
+    async def is_paused(self) -> bool:
+        return bool((await self._request("GET", "/is_paused")).json().get("is_paused"))
+
+    async def abort_request(self, rid: str | None = None, *, abort_all: bool = False) -> None:
+        # The server names a token-in/token-out request "generate-tokens-<request_id>".
+        body = {"request_ids": [] if abort_all or rid is None else [f"generate-tokens-{rid}"]}
+        await self._request(
+            "POST", "/inference/v1/abort_requests", json_body=body, timeout=self._control_timeout
+        )
+
+    async def get_weight_version(self) -> int:
+        info = (await self._request("GET", "/weight_info")).json()
+        return parse_weight_version(info.get("weight_version"))
+
+    async def update_weight_version(self, version: int | str) -> None:
+        await self._request(
+            "POST",
+            "/update_weight_version",
+            json_body={"new_version": str(version)},
+            timeout=self._control_timeout,
+        )
+
+    async def update_weights_from_disk(  # type: ignore[override]
+        self,
+        model_path: str,
+        *,
+        weight_version: int | str | None = None,
+        abort_all_requests: bool = False,
+        load_format: str | None = None,
+        flush_cache: bool | None = None,
+        timeout: float | None = None,
+    ) -> dict[str, Any]:
+        """Reload the workers' weights in place from ``model_path`` (safetensors in HF layout),
+        then tag what follows with ``weight_version``. Requests keep running through it
+        unless ``abort_all_requests``; pause the server around it for a clean cut."""
+        if abort_all_requests:
+            await self.abort_request(abort_all=True)
+        limit = self._control_timeout if timeout is None else httpx.Timeout(timeout)
+        rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(model_path)}}
+        await self._request("POST", "/collective_rpc", json_body=rpc, timeout=limit)
+        if weight_version is not None:
+            await self.update_weight_version(weight_version)
+        return {"success": True, "message": f"reloaded {model_path}"}
+
+    async def load_lora_adapter(  # type: ignore[override]
+        self, lora_name: str, lora_path: str, *, pinned: bool = False
+    ) -> dict[str, Any]:
+        body = {"lora_name": lora_name, "lora_path": lora_path}
+        await self._request(
+            "POST", "/v1/load_lora_adapter", json_body=body, timeout=self._control_timeout
+        )
+        return {"success": True, "loaded_adapters": [lora_name]}
+
+    async def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
+        await self._request(
+            "POST",
+            "/v1/unload_lora_adapter",
+            json_body={"lora_name": lora_name},
+            timeout=self._control_timeout,
+        )
+        return {"success": True}
+
+
+def client_for(backend: str, base_url: str, **kwargs: Any) -> InferenceClient:
+    """The client that speaks ``backend``'s protocol (vLLM's, or SGLang's for the others)."""
+    return (
+        VLLMClient(base_url, **kwargs) if backend == "vllm" else InferenceClient(base_url, **kwargs)
+    )
+
+
+__all__: Sequence[str] = [
+    "VLLMClient",
+    "VLLMServer",
+    "client_for",
+    "vllm_available",
+    "vllm_generate_body",
+    "vllm_python",
+    "vllm_sampling_params",
+]

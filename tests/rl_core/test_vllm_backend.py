@@ -1,0 +1,187 @@
+"""vLLM's CPU build, run for real behind Steep's client (rl_core/inference/vllm.py).
+
+A tiny model whose head size (32) vLLM's CPU attention supports, served by one vLLM server for
+the module; every answer is checked against a plain transformers forward pass. Needs
+``./steep install --vllm`` (``.venv-vllm``); CI installs it and sets ``STEEP_VLLM_CHECK=required``
+so that this module cannot skip there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from rl_core.inference.vllm import VLLMClient, VLLMServer, vllm_available, vllm_python
+
+pytestmark = pytest.mark.slow
+
+if not vllm_available():
+    if os.environ.get("STEEP_VLLM_CHECK") == "required":
+        raise RuntimeError(f"vLLM is not installed at {vllm_python()}: ./steep install --vllm")
+    pytest.skip(f"vLLM is not installed at {vllm_python()}", allow_module_level=True)
+
+PROMPT = [72, 101, 108, 108, 111, 44, 32]
+LONG = {"max_new_tokens": 1500, "temperature": 1.0, "ignore_eos": True}
+TOLERANCE = 2e-3  # float32 on both sides; vLLM's CPU kernels sum in another order
+
+
+@pytest.fixture(scope="module")
+def vllm_models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The tiny model at head size 32, and the same with noised weights (a next version)."""
+    from transformers import AutoModelForCausalLM
+
+    from rl_core.tiny import build_tiny_model
+
+    base = build_tiny_model(
+        tmp_path_factory.mktemp("vllm") / "tiny", hidden=64, heads=2, kv_heads=1
+    )
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=gen) * 0.5 * param.std())
+    nxt = base.parent / "tiny-next"
+    model.save_pretrained(nxt)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (base / name).exists():
+            (nxt / name).write_bytes((base / name).read_bytes())
+    return base, nxt
+
+
+@pytest.fixture(scope="module")
+def server(vllm_models, tmp_path_factory) -> Any:
+    base, _ = vllm_models
+    logs = tmp_path_factory.mktemp("vllm-logs")
+    vllm = VLLMServer(
+        base,
+        host="127.0.0.1",
+        dtype="float32",
+        max_model_len=2048,
+        kv_cache_space_gb=1,
+        log_path=logs / "vllm.log",
+        env={"OMP_NUM_THREADS": "1"},
+    )
+    vllm.start()
+    try:
+        vllm.wait_healthy(timeout=600)
+        yield vllm
+    finally:
+        vllm.stop()
+
+
+@pytest.fixture
+async def client(server) -> Any:
+    async with VLLMClient(server.url) as c:
+        yield c
+
+
+def reference_logprobs(model_dir: Path, output: list[int], temperature: float) -> torch.Tensor:
+    from tests.rl_core.conftest import Reference
+
+    return Reference().logprobs(model_dir, PROMPT, output, temperature)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+async def test_sampled_tokens_carry_the_logprobs_of_the_distribution_sampled(
+    client, vllm_models, temperature
+):
+    result = await client.generate(
+        PROMPT, {"max_new_tokens": 12, "temperature": temperature, "sampling_seed": 5}
+    )
+    assert len(result.output_ids) == len(result.output_logprobs) == len(result.versions) > 0
+    torch.testing.assert_close(
+        torch.tensor(result.output_logprobs),
+        reference_logprobs(vllm_models[0], result.output_ids, temperature),
+        atol=TOLERANCE,
+        rtol=0,
+    )
+
+
+async def test_greedy_answers_are_the_references_greedy_tokens(client, vllm_models):
+    from tests.rl_core.conftest import Reference
+
+    result = await client.generate(PROMPT, {"max_new_tokens": 10, "temperature": 0.0})
+    assert result.output_ids == Reference().greedy(vllm_models[0], PROMPT, 10)
+
+
+async def test_a_stream_is_the_answer_in_pieces_with_its_top_logprobs(client):
+    params = {"max_new_tokens": 10, "temperature": 1.0, "sampling_seed": 11}
+    whole = await client.generate(PROMPT, params, top_logprobs_num=2)
+    chunks = [c async for c in client.generate_stream(PROMPT, params, top_logprobs_num=2)]
+    assert [t for c in chunks for t in c.output_ids] == whole.output_ids
+    torch.testing.assert_close(
+        torch.tensor([lp for c in chunks for lp in c.output_logprobs]),
+        torch.tensor(whole.output_logprobs),
+    )
+    assert chunks[-1].finish_reason == "length"
+    for row in whole.top_logprobs:
+        assert len(row) == 2 and row[0][0] >= row[1][0]  # best first, as SGLang orders them
+
+
+async def test_a_pause_in_place_keeps_the_request_and_versions_its_tokens(client):
+    before = await client.get_weight_version()
+    task = asyncio.create_task(client.generate(PROMPT, LONG))
+    await asyncio.sleep(0.3)
+    await client.pause_generation("in_place")
+    assert await client.is_paused()
+    assert not task.done(), "the request ended before the pause"
+    await client.update_weight_version(before + 1)
+    await client.continue_generation()
+    result = await task
+    assert result.num_segments == 1 and result.finish_reason == "length"
+    assert len(result.output_ids) == LONG["max_new_tokens"]
+    assert result.versions[0] == before and result.versions[-1] == before + 1
+    assert result.versions == sorted(result.versions)
+
+
+async def test_a_pause_that_aborts_is_resumed_by_the_client_transparently(client):
+    task = asyncio.create_task(client.generate(PROMPT, LONG))
+    await asyncio.sleep(0.2)
+    await client.pause_generation("abort")
+    await asyncio.sleep(0.2)
+    await client.continue_generation()
+    result = await task
+    assert result.finish_reason == "length" and len(result.output_ids) == LONG["max_new_tokens"]
+    assert result.num_segments >= 2
+
+
+async def test_a_request_is_aborted_by_its_id(server):
+    async with VLLMClient(server.url, max_resumes=0) as client:
+        task = asyncio.create_task(client.generate(PROMPT, LONG, rid="steep-abort-1"))
+        await asyncio.sleep(0.2)
+        await client.abort_request("steep-abort-1")
+        result = await task
+    assert result.finish_reason == "abort"
+    assert 0 < len(result.output_ids) < LONG["max_new_tokens"]
+
+
+async def test_new_weights_reach_the_running_server_from_disk_without_a_restart(
+    client, server, vllm_models
+):
+    from tests.rl_core.conftest import Reference
+
+    base, nxt = vllm_models
+    pid = server.process.pid
+    try:
+        await client.update_weights_from_disk(str(nxt), weight_version=9)
+        assert await client.get_weight_version() == 9
+        result = await client.generate(PROMPT, {"max_new_tokens": 8, "temperature": 0.0})
+        assert result.output_ids == Reference().greedy(nxt, PROMPT, 8)
+        assert set(result.versions) == {9}
+        sampled = await client.generate(
+            PROMPT, {"max_new_tokens": 8, "temperature": 1.0, "sampling_seed": 2}
+        )
+        torch.testing.assert_close(
+            torch.tensor(sampled.output_logprobs),
+            reference_logprobs(nxt, sampled.output_ids, 1.0),
+            atol=TOLERANCE,
+            rtol=0,
+        )
+    finally:
+        await client.update_weights_from_disk(str(base), weight_version=10)
+    assert server.process.pid == pid and server.process.poll() is None
