@@ -367,17 +367,22 @@ class InferenceClient(UpdateCalls):
         if not stream:
             yield await self._post_generate(body)
             return
+        # Closed with this generator, so that closing the stream early ends the request now.
+        async with contextlib.aclosing(self._stream_events("/generate", body)) as events:
+            async for data in events:
+                yield data
+
+    async def _stream_events(self, path: str, body: dict[str, Any]) -> AsyncGenerator[Any, None]:
+        """The server-sent events of ``POST path`` with ``body``, decoded."""
         try:
-            async with self._http.stream(
-                "POST", self.base_url + "/generate", json=body
-            ) as response:
+            async with self._http.stream("POST", self.base_url + path, json=body) as response:
                 if response.status_code >= 400:
                     await response.aread()
-                    raise _error_for(response, "POST /generate")
+                    raise _error_for(response, f"POST {path}")
                 async for data in _sse_events(response):
                     yield data
         except httpx.TransportError as exc:
-            raise InferenceUnavailable(f"POST {self.base_url}/generate (stream): {exc!r}") from exc
+            raise InferenceUnavailable(f"POST {self.base_url}{path} (stream): {exc!r}") from exc
 
     # ----- control
 

@@ -25,6 +25,7 @@ fastapi ranges of its own. This module imports neither torch nor vllm.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
@@ -32,9 +33,9 @@ from typing import Any
 
 import httpx
 
-from rl_core.inference.client import InferenceClient, _error_for, _sse_events
+from rl_core.inference.client import InferenceClient
 from rl_core.inference.process import InferenceServer
-from rl_core.inference.protocol import InferenceUnavailable, parse_weight_version
+from rl_core.inference.protocol import parse_weight_version
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -231,18 +232,11 @@ class VLLMClient(InferenceClient):
         if not stream:
             yield await self._post_generate(body)
             return
-        request = vllm_generate_body(body)
         answer = _Answer(int(body.get("top_logprobs_num") or 0))
-        url = self.base_url + "/inference/v1/generate"
-        try:
-            async with self._http.stream("POST", url, json=request) as response:
-                if response.status_code >= 400:
-                    await response.aread()
-                    raise _error_for(response, "POST /inference/v1/generate")
-                async for data in _sse_events(response):
-                    yield answer.add(data)
-        except httpx.TransportError as exc:
-            raise InferenceUnavailable(f"POST {url} (stream): {exc!r}") from exc
+        events = self._stream_events("/inference/v1/generate", vllm_generate_body(body))
+        async with contextlib.aclosing(events):  # closing the stream early ends the request
+            async for data in events:
+                yield answer.add(data)
 
     async def pause_generation(self, mode: str = "abort") -> dict[str, Any]:
         """``abort`` ends every request in flight (they return aborted and are resumed);

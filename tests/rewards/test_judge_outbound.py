@@ -4,43 +4,20 @@ the rules refuse is never contacted."""
 
 from __future__ import annotations
 
-import http.server
-import threading
-
 import pytest
 
+from tests.local_http import redirecting, serving
 from webapp.rewards.judge import judge_answers
 
 pytestmark = pytest.mark.django_db
 
 
-class _Server(http.server.ThreadingHTTPServer):
-    daemon_threads = True
-
-
 @pytest.fixture
 def redirecting_judge():
     hits: list[str] = []
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802
-            hits.append(self.path)
-            self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            self.send_response(307)
-            self.send_header("Location", "http://169.254.169.254/latest/meta-data/iam/")
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-        def log_message(self, *args):
-            pass
-
-    server = _Server(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/v1", hits
-    server.shutdown()
-    server.server_close()
-    thread.join(5)
+    location = "http://169.254.169.254/latest/meta-data/iam/"
+    with serving(redirecting(location, hits, status=307)) as url:
+        yield f"{url}/v1", hits
 
 
 def _spec(base_url: str) -> dict:

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import http.server
 import os
-import threading
 from pathlib import Path
 
 import httpx
@@ -20,6 +18,7 @@ from rl_core.sources import (
     screened_client,
     url_errors,
 )
+from tests.local_http import redirecting, serving
 
 
 @pytest.fixture
@@ -240,35 +239,12 @@ def test_a_config_names_each_refused_setting():
 # -- the screen as requests are sent ---------------------------------------------------------
 
 
-class _Server(http.server.ThreadingHTTPServer):
-    daemon_threads = True
-
-
 @pytest.fixture
 def redirecting_server():
     """A local endpoint that redirects every request to a cloud's metadata address."""
     hits: list[str] = []
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
-            hits.append(self.path)
-            self.send_response(302)
-            self.send_header("Location", "http://169.254.169.254/latest/meta-data/")
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-        do_POST = do_GET  # noqa: N815
-
-        def log_message(self, *args):
-            pass
-
-    server = _Server(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}", hits
-    server.shutdown()
-    server.server_close()
-    thread.join(5)
+    with serving(redirecting("http://169.254.169.254/latest/meta-data/", hits)) as url:
+        yield url, hits
 
 
 def test_redirects_are_not_followed_past_the_screen(redirecting_server):
