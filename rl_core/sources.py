@@ -74,10 +74,7 @@ class SourceRules:
     """An operator's explicit bypass (a management command's flag): nothing is refused."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: list(v) if isinstance(v, tuple) else v for f, v in self._items()}
-
-    def _items(self):
-        return ((f, getattr(self, f.name)) for f in dataclasses.fields(self))
+        return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SourceRules:
@@ -262,16 +259,12 @@ def url_errors(
     return host_errors(parts.hostname, rules, setting=setting, resolve=resolve)
 
 
-class OutboundRefused(OSError):
-    """A request the screen refused as it was sent (the message names the setting)."""
-
-
 def screened_client(
     rules: SourceRules, *, setting: str, resolve: Resolver | None = None, **client_kwargs: Any
 ):
     """An ``httpx.Client`` that checks every request's host against ``rules`` as it is sent
-    (raising ``OutboundRefused``, an ``httpx.ConnectError`` to its callers) and follows no
-    redirect: a 3xx is the answer, so a redirect cannot lead past the screen."""
+    (raising ``httpx.ConnectError``, whose message names the setting) and follows no redirect:
+    a 3xx is the answer, so a redirect cannot lead past the screen."""
     import httpx
 
     class Screen(httpx.HTTPTransport):

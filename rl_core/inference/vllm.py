@@ -122,11 +122,17 @@ class VLLMServer(InferenceServer):
 def vllm_sampling_params(params: dict[str, Any], *, top_n: int, logprobs: bool) -> dict[str, Any]:
     """SGLang's ``sampling_params`` names as vLLM's ``SamplingParams``."""
     out: dict[str, Any] = {"max_tokens": int(params.get("max_new_tokens", 128))}
-    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty"):
+    named_alike = (
+        "temperature",
+        "top_p",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+    )
+    for name in named_alike:
         if params.get(name) is not None:
             out[name] = params[name]
-    if params.get("repetition_penalty") is not None:
-        out["repetition_penalty"] = params["repetition_penalty"]
     if params.get("top_k") is not None and int(params["top_k"]) > 0:
         out["top_k"] = int(params["top_k"])
     if params.get("stop"):

@@ -309,3 +309,28 @@ def test_an_eval_of_a_run_written_before_the_rules_fails_without_importing_its_r
     evaluation.refresh_from_db()
     assert "STEEP_REWARD_MODULES" in evaluation.error and "base_model" in evaluation.error
     assert "tests.web.tripwire_reward" not in sys.modules
+
+
+def test_cloning_a_run_written_before_ids_names_its_own_checkpoint_by_id(
+    api, other_api, project, other_project, trained, api_error
+):
+    run, checkpoint = trained
+    own = Run.objects.create(
+        project=project,
+        name="own-legacy",
+        mode="online",
+        base_model=run.base_model,
+        config=run.config | {"init_checkpoint": checkpoint.path},
+    )
+    clone = api.post(f"/api/v1/runs/{own.id}/clone/", {}, format="json")
+    assert clone.status_code == 201, clone.content
+    assert clone.json()["config"]["init_checkpoint"] == str(checkpoint.pk)
+    theirs = Run.objects.create(
+        project=other_project,
+        name="their-legacy",
+        mode="online",
+        base_model=run.base_model,
+        config=run.config | {"init_checkpoint": checkpoint.path},
+    )
+    response = other_api.post(f"/api/v1/runs/{theirs.id}/clone/", {}, format="json")
+    assert "No checkpoint" in " ".join(api_error(response, 400)["fields"]["init_checkpoint"])

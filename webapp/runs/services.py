@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from datetime import timedelta
 from pathlib import Path
 
@@ -9,13 +10,14 @@ from django.db import transaction
 from django.utils import timezone
 
 from rl_core.config import ConfigError, RunConfig
+from rl_core.sources import SourceRefused
 from webapp.accounts.models import Project
 from webapp.datasets.models import Dataset
 from webapp.pools.selectors import pool_attach_errors
 from webapp.rewards.secrets import seal_config
 from webapp.runs.events import publish_run_event, status_event
 from webapp.runs.models import Checkpoint, ClusterReport, Run, RunEvent
-from webapp.runs.sources import config_sourced, source_rules
+from webapp.runs.sources import checkpoint_reference, config_sourced, source_rules
 from workers.capacity import CapacityError, check_capacity, resolve_backend
 
 S = Run.Status
@@ -155,13 +157,15 @@ def run_clone(
     known = {spec.name for spec in RunConfig.field_specs()}
     # Settings stored before a field was removed are dropped; new fields take their defaults.
     values = {key: value for key, value in run.config.items() if key in known}
-    if values.get("init_checkpoint") and not str(values["init_checkpoint"]).isdigit():
+    if values.get("init_checkpoint"):
         # A config written before checkpoints were named by id holds a path: the source's
         # own project's checkpoint at that path, by its id (refused by run_create otherwise).
-        recorded = Checkpoint.objects.filter(
-            path=values["init_checkpoint"], run__project=run.project
-        ).first()
-        values["init_checkpoint"] = str(recorded.pk) if recorded else values["init_checkpoint"]
+        with contextlib.suppress(SourceRefused):
+            values["init_checkpoint"] = str(
+                checkpoint_reference(
+                    project=run.project, value=values["init_checkpoint"], legacy_paths=True
+                ).pk
+            )
     if checkpoint is not None:
         values["init_checkpoint"] = str(checkpoint.pk)
     values |= overrides or {}
