@@ -184,7 +184,6 @@ class _Answer:
 
     def add(self, data: dict[str, Any]) -> dict[str, Any]:
         choice = (data.get("choices") or [{}])[0]
-        start = len(self.ids)
         new_ids = [int(t) for t in choice.get("token_ids") or []]
         self.ids += new_ids
         for entry in ((choice.get("logprobs") or {}).get("content")) or []:
@@ -194,12 +193,9 @@ class _Answer:
                 self.top.append(
                     [[float(t["logprob"]), int(t["token_id"]), None] for t in best][: self.top_n]
                 )
-        for span in choice.get("weight_versions") or []:  # over this event's tokens
-            version, begin, end = span["version"], start + span["start"], start + span["end"]
-            if self.spans and self.spans[-1]["version"] == version:
-                self.spans[-1]["end"] = end
-            else:
-                self.spans.append({"version": version, "start": begin, "end": end})
+        if choice.get("weight_versions"):
+            # Spans over the whole output so far (a stream reports them on its last event).
+            self.spans = [dict(span) for span in choice["weight_versions"]]
         reason = choice.get("finish_reason")
         if reason:
             self.finish = {"type": _FINISH.get(reason, reason)}
