@@ -38,6 +38,7 @@ from typing import Any
 
 from rl_core.inference.adapters import AdapterSwitch, adapter_name
 from rl_core.inference.client import InferenceClient, InferenceUnavailable
+from rl_core.inference.vllm import client_for
 from rl_core.weight_sync import dir_bytes
 
 logger = logging.getLogger(__name__)
@@ -57,6 +58,7 @@ class AdapterSync:
         on_change: Callable[[list[str], list[str]], Awaitable[None]] | None = None,
         skip_unreachable: bool = False,
         switch: AdapterSwitch | None = None,
+        backend: str = "torch",
     ):
         if keep < 1:
             raise ValueError("AdapterSync keeps at least the newest adapter loaded (keep >= 1)")
@@ -69,6 +71,7 @@ class AdapterSync:
         self.keep = keep
         self.skip_unreachable = skip_unreachable  # as WeightSync's: restarted and resynced later
         self.switch = switch  # moves the requests in flight onto each new version
+        self.backend = backend  # whose protocol the servers speak (client_for)
         self.current: str | None = None  # the newest adapter's name
         self.loaded: list[tuple[int, str]] = []  # (version, name), oldest first, not yet retired
         self.last_timing: dict[str, float] = {}
@@ -78,7 +81,7 @@ class AdapterSync:
 
     def _get_clients(self) -> list[InferenceClient]:
         if self._clients is None:
-            self._clients = [InferenceClient(url) for url in self.urls]
+            self._clients = [client_for(self.backend, url) for url in self.urls]
         return self._clients
 
     async def push(self, trainer: Any) -> int:
@@ -151,7 +154,7 @@ class AdapterSync:
             old = dict(zip(self.urls, self._get_clients(), strict=True))
             for url in removed:
                 await old.pop(url).aclose()
-            self._clients = [old.get(url) or InferenceClient(url) for url in urls]
+            self._clients = [old.get(url) or client_for(self.backend, url) for url in urls]
             self.urls = urls
         return added, removed
 

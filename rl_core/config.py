@@ -17,7 +17,7 @@ from typing import Any
 from rl_core.reward_specs import REWARD_TYPES_DOC, reward_spec_errors
 
 MODES = ("online", "dataset")
-INFERENCE_BACKENDS = ("auto", "torch", "sglang")
+INFERENCE_BACKENDS = ("auto", "torch", "sglang", "vllm")
 ADVANTAGE_ESTIMATORS = ("auto", "grpo", "rloo", "reinforce_pp")
 RATIO_LEVELS = ("token", "sequence")
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean")
@@ -104,8 +104,13 @@ class RunConfig:
     )
     inference_backend: str = _f(
         "auto",
-        "auto picks sglang when a GPU and sglang are available, else the torch engine.",
+        "The inference engine: torch (Steep's own engine), sglang (GPUs), vllm (GPUs, or its CPU build from ./steep install --vllm). auto picks sglang on a cluster with GPUs, else the torch engine.",
         choices=INFERENCE_BACKENDS,
+    )
+    inference_tensor_parallel: int = _f(
+        1,
+        "GPUs per inference server (SGLang's --tp-size, vLLM's --tensor-parallel-size): room for a large model's weights and KV cache. Counted by the capacity check and the queue; 1 on CPUs.",
+        min=1,
     )
     num_inference_servers: int = _f(1, "Inference server replicas the run starts.", min=1)
     weight_sync: str = _f(
@@ -359,6 +364,16 @@ class RunConfig:
             bad(
                 "inference_pool",
                 "A full-weight run (lora_rank 0) cannot attach to a shared inference pool: its new weights would replace the pool's base model for every run on it. Set lora_rank above 0, or leave inference_pool empty for servers of its own.",
+            )
+        if self.inference_tensor_parallel > 1 and self.inference_backend == "torch":
+            bad(
+                "inference_tensor_parallel",
+                "The torch engine serves a model on one device; set inference_backend to sglang or vllm (GPUs) for tensor parallelism, or inference_tensor_parallel to 1.",
+            )
+        if self.inference_tensor_parallel > 1 and self.inference_pool:
+            bad(
+                "inference_tensor_parallel",
+                "A run on a shared inference pool is served by the pool's servers, sized by the pool; leave inference_tensor_parallel at 1.",
             )
         if self.inference_pool != self.inference_pool.strip():
             bad("inference_pool", "inference_pool is a pool's name, without surrounding spaces.")

@@ -46,6 +46,32 @@ class StatsAccumulator:
         return out
 
 
+def logprob_gap(
+    recomputed: torch.Tensor,
+    behaviour: torch.Tensor,
+    mask: torch.Tensor,
+    versions: torch.Tensor,
+    version: int,
+) -> tuple[dict[str, float], int]:
+    """How far the inference engine's logprobs are from the trainer's on the same weights.
+
+    Over the trained tokens that version ``version`` generated (the weights the trainer holds
+    now, so the policies are equal): ``rollout/logprob_gap`` = mean |recomputed - behaviour|
+    and ``rollout/logprob_gap_max``; and how many tokens that was (0: no stats). What is left
+    is numerics alone (kernels, dtype, summation order): the mismatch rollout correction
+    (the decoupled loss's behaviour weight) absorbs. All tensors ``[T]``.
+    """
+    fresh = mask.bool() & (versions == version)  # [T]
+    count = int(fresh.sum())
+    if not count:
+        return {}, 0
+    gap = (recomputed - behaviour)[fresh].abs()  # [count]
+    return {
+        "rollout/logprob_gap": gap.mean().item(),
+        "rollout/logprob_gap_max": gap.max().item(),
+    }, count
+
+
 class PhaseTimer:
     """Wall time of named phases, reported as ``timing/<phase>`` seconds (summed if a phase repeats)."""
 

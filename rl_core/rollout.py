@@ -32,6 +32,7 @@ from rl_core.checkpoints import latest_checkpoint
 from rl_core.config import RunConfig
 from rl_core.inference.adapters import AdapterSwitch, current_adapter
 from rl_core.inference.client import GenerateResult, InferenceClient
+from rl_core.inference.vllm import client_for
 from rl_core.loop import (
     LoopSummary,
     QueueSource,
@@ -211,6 +212,7 @@ class RolloutDriver:
         adapter_prefix: str | None = None,
         adapter_switch: AdapterSwitch | None = None,
         rows_used: Mapping[int, int] | None = None,
+        backend: str = "torch",
     ):
         if not urls:
             raise ValueError("RolloutDriver needs at least one inference server URL")
@@ -223,6 +225,7 @@ class RolloutDriver:
                 raise ValueError(f"dataset row {i}: {exc}") from None
         self.cfg = cfg
         self.urls = list(urls)
+        self.backend = backend  # whose protocol the servers speak (client_for)
         self.tokenizer = tokenizer
         self.rows = list(rows)
         self.reward_fn = reward_fn
@@ -317,7 +320,7 @@ class RolloutDriver:
         self._aloop = asyncio.get_running_loop()
         if self._stop_requested:
             self._stop.set()
-        clients = [InferenceClient(url) for url in self.urls]
+        clients = [client_for(self.backend, url) for url in self.urls]
         group_number, render_failures = self._groups_before, 0
         try:
             while not self._stop.is_set():

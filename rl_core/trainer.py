@@ -51,7 +51,7 @@ from rl_core.failpoints import failpoint
 from rl_core.hf import TOKENIZER_FILES, config_dtype
 from rl_core.loss import LossConfig, ppo_loss
 from rl_core.memory import PeakMemory, enable_activation_checkpointing, resolve_precision
-from rl_core.metrics import PhaseTimer, StatsAccumulator
+from rl_core.metrics import PhaseTimer, StatsAccumulator, logprob_gap
 from rl_core.packing import PackedBatch, pack, packed_logprobs
 from rl_core.types import Trajectory
 from rl_core.weight_sender import WeightSender, weight_metadata
@@ -189,6 +189,7 @@ class PPOTrainer:
         with timer.phase("pack"):
             plan = self._plan(batch, advantages)
 
+        acc = StatsAccumulator()
         with timer.phase("proximal_logprobs"), torch.no_grad(), self._autocast():
             for _, micro in plan:
                 for mb in micro:
@@ -196,11 +197,18 @@ class PPOTrainer:
                         # Each token at its own turn's temperature (mb.temperatures), as its
                         # behaviour logprob was taken: see rl_core.sampling.
                         mb.extra["proximal"] = packed_logprobs(self.model, mb)[0]
+                        gap, fresh = logprob_gap(
+                            mb.extra["proximal"],
+                            mb.logprobs,
+                            mb.loss_mask,
+                            mb.extra["versions"],
+                            self.version,
+                        )
+                        acc.add(gap, weight=fresh)
                     if cfg.kl_coef > 0:
                         with lora.reference(self.model, self.ref_model) as ref:
                             mb.extra["ref"] = packed_logprobs(ref, mb)[0]
 
-        acc = StatsAccumulator()
         losses, grad_norms, skipped = [], [], 0
         lr = float(self.scheduler.get_last_lr()[0])
         for normalizer, micro in plan:
@@ -267,6 +275,7 @@ class PPOTrainer:
         resuming from a checkpoint.
         """
         cfg = self.cfg
+        versions = [torch.tensor(t.versions) for t in batch]  # [L_i] each
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.version)
         order = torch.randperm(len(batch), generator=gen).tolist()
         n_minibatches = min(cfg.ppo_minibatches, len(batch))
@@ -282,7 +291,7 @@ class PPOTrainer:
             groups, most = rank_micro_batches(
                 lengths, self.world_size, self.rank, cfg.micro_batch_tokens
             )
-            extra = {"advantages": advantages}
+            extra = {"advantages": advantages, "versions": versions}
             micro = [
                 pack(batch, [members[j] for j in g], extra=extra).to(self.device) for g in groups
             ]

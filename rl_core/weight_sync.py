@@ -47,7 +47,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rl_core.inference.client import InferenceClient, InferenceUnavailable
+from rl_core.inference.client import InferenceUnavailable
+from rl_core.inference.vllm import client_for
 
 logger = logging.getLogger(__name__)
 
@@ -70,9 +71,9 @@ def dir_bytes(path: str | Path) -> int:
 
 
 class _Server:
-    def __init__(self, url: str):
+    def __init__(self, url: str, backend: str):
         self.url = url
-        self.client = InferenceClient(url)
+        self.client = client_for(backend, url)
         self.kind: dict[str, Any] | None = None  # torch engine or not, device, tp size
         self.disk_only = False
 
@@ -99,6 +100,7 @@ class WeightSync:
         pause_mode: str = "auto",
         reporter: Any = None,
         skip_unreachable: bool = False,
+        backend: str = "torch",
     ):
         if keep < 1:
             raise ValueError("WeightSync keeps at least the newest weights (keep >= 1)")
@@ -107,6 +109,7 @@ class WeightSync:
         if strategy == "disk" and weights_dir is None:
             raise ValueError("the disk strategy needs a weights_dir")
         self.urls = list(urls)
+        self.backend = backend  # whose protocol the servers speak (client_for)
         self.weights_dir = Path(weights_dir) if weights_dir is not None else None
         self.strategy, self.keep, self.timeout_s = strategy, keep, timeout_s
         self.pause_mode = pause_mode
@@ -124,7 +127,7 @@ class WeightSync:
 
     def _get_servers(self) -> list[_Server]:
         if self._servers is None:
-            self._servers = [_Server(url) for url in self.urls]
+            self._servers = [_Server(url, self.backend) for url in self.urls]
         return self._servers
 
     async def _bounded(self, awaitable: Any, what: str, extra: float = _HTTP_MARGIN_S) -> Any:
@@ -154,6 +157,8 @@ class WeightSync:
                 "torch_engine": torch_engine,
                 "cpu": device.startswith("cpu"),
                 "tp": int(info.get("tp_size") or 1),
+                # False: the server takes no broadcast (vLLM's client): disk for every version.
+                "broadcast": bool(info.get("weight_broadcast", True)),
             }
         return server.kind
 
@@ -172,6 +177,14 @@ class WeightSync:
         servers = self._get_servers()
         disk = list(servers)
         if self.strategy == "distributed":
+            for server in servers:
+                if not server.disk_only and not (await self._kind(server))["broadcast"]:
+                    server.disk_only = True
+                    await self._event(
+                        "weight_sync",
+                        f"{server.url} takes each version from disk: its engine joins no "
+                        "weight broadcast.",
+                    )
             candidates = [s for s in servers if not s.disk_only]
             disk = [s for s in servers if s.disk_only]
             if candidates:

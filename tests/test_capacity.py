@@ -77,3 +77,23 @@ def test_a_run_that_fits_the_totals_but_not_what_is_free_waits_naming_the_holder
 def test_a_run_larger_than_the_whole_cluster_is_not_kept_waiting():
     # Nothing that stops would ever free enough: check_capacity refuses it with the numbers.
     assert wait_reason(config(train_workers=4), "sglang", {"GPU": 2.0}, {"pool a": 2.0}) == ""
+
+
+def test_a_vllm_server_takes_its_tensor_parallel_gpus_on_gpus_and_a_cpu_without():
+    big = config(train_workers=2, num_inference_servers=2, inference_tensor_parallel=4)
+    assert run_needs(big, "vllm", GPU_NODE).total == 2 + 2 * 4
+    assert run_needs(big, "sglang", GPU_NODE).server_resources == {"CPU": 1.0, "GPU": 4.0}
+    # vLLM's CPU build: a CPU, as the torch engine.
+    small = config(train_workers=1, num_inference_servers=2)
+    assert run_needs(small, "vllm", CPU_NODE).server_resources == {"CPU": 1.0}
+    assert resolve_backend("vllm", CPU_NODE) == "vllm"
+    with pytest.raises(CapacityError) as caught:
+        check_capacity(big, "vllm", {"GPU": 8.0, "CPU": 64.0})
+    assert str(caught.value).startswith(
+        "train_workers=2 and 2 vLLM servers of 4 GPUs each need 10 GPUs; the cluster has 8."
+    )
+
+
+def test_tensor_parallel_on_a_cluster_without_gpus_is_refused_saying_why():
+    with pytest.raises(CapacityError, match="inference_tensor_parallel=2 splits each"):
+        check_capacity(config(inference_tensor_parallel=2), "vllm", CPU_NODE)

@@ -1,8 +1,10 @@
 """What a run asks of its Ray cluster, checked before anything starts.
 
 A run needs ``train_workers`` trainer processes and ``num_inference_servers`` inference
-servers (none when it attaches to a shared pool, whose servers are the pool's). On a cluster with GPUs each trainer worker takes one GPU, and so does each
-SGLang server (the torch engine takes a CPU); on a CPU-only cluster each takes one CPU.
+servers (none when it attaches to a shared pool, whose servers are the pool's). On a cluster
+with GPUs each trainer worker takes one GPU, and each SGLang or vLLM server takes
+``inference_tensor_parallel`` GPUs (the torch engine takes a CPU); on a CPU-only cluster each
+takes one CPU (vLLM's CPU build, too).
 ``check_capacity`` compares that with the cluster's totals (``ray.cluster_resources()``)
 and refuses a run that could never be placed, naming the numbers; a run that fits the
 totals but not what is free now waits, ``queued``, with ``wait_reason`` saying for what
@@ -56,9 +58,16 @@ def resolve_backend(requested: str, resources: Mapping[str, float]) -> str:
     if requested == "sglang" and not has_gpus(resources):
         raise CapacityError(
             "inference_backend is 'sglang' but the Ray cluster has no GPUs; "
-            "set inference_backend to 'torch' or 'auto', or add GPU nodes."
+            "set inference_backend to 'torch', 'vllm' (its CPU build) or 'auto', or add GPU nodes."
         )
     return requested
+
+
+def server_gpus(backend: str, resources: Mapping[str, float], tensor_parallel: int = 1) -> int:
+    """The GPUs one inference server takes: ``tensor_parallel`` for SGLang, and for vLLM on a
+    cluster with GPUs (its CUDA build); none for the torch engine or vLLM's CPU build."""
+    on_gpus = backend == "sglang" or (backend == "vllm" and has_gpus(resources))
+    return tensor_parallel if on_gpus else 0
 
 
 @dataclass(frozen=True)
@@ -79,7 +88,7 @@ def own_servers(config: RunConfig) -> int:
 def run_needs(config: RunConfig, backend: str, resources: Mapping[str, float]) -> Needs:
     gpus = has_gpus(resources)
     trainer_bundle = {"CPU": 1.0, "GPU": 1.0} if gpus else {"CPU": 1.0}
-    server = server_resources(backend)
+    server = server_resources(backend, resources, config.inference_tensor_parallel)
     kind = "GPU" if gpus else "CPU"
     total = config.train_workers * trainer_bundle.get(kind, 0) + (
         own_servers(config) * server.get(kind, 0)
@@ -89,22 +98,35 @@ def run_needs(config: RunConfig, backend: str, resources: Mapping[str, float]) -
 
 def check_capacity(config: RunConfig, backend: str, resources: Mapping[str, float]) -> Needs:
     """The run's needs; ``CapacityError`` naming the numbers when the cluster is too small."""
+    tp = config.inference_tensor_parallel
+    if tp > 1 and not server_gpus(backend, resources, tp):
+        raise CapacityError(
+            f"inference_tensor_parallel={tp} splits each inference server over {tp} GPUs, and "
+            f"the {backend} servers of this cluster run on CPUs; set it to 1, or add GPU nodes."
+        )
     needs = run_needs(config, backend, resources)
     have = float(resources.get(needs.kind, 0))
     if needs.total > have:
         servers = own_servers(config)
-        what = "SGLang server" if backend == "sglang" else "torch-engine inference server"
+        what = {"sglang": "SGLang server", "vllm": "vLLM server"}.get(
+            backend, "torch-engine inference server"
+        ) + ("s" if servers != 1 else "")
+        if tp > 1:
+            what += f" of {tp} GPUs each"
         raise CapacityError(
-            f"train_workers={config.train_workers} and {servers} {what}{'s' if servers != 1 else ''} "
+            f"train_workers={config.train_workers} and {servers} {what} "
             f"need {needs.total:g} {needs.kind}s; the cluster has {have:g}. "
             "Lower train_workers or num_inference_servers, or add nodes to the Ray cluster."
         )
     return needs
 
 
-def server_resources(backend: str) -> dict[str, float]:
-    """One inference server's bundle: a GPU for SGLang, a CPU for the torch engine."""
-    return {"CPU": 1.0, "GPU": 1.0} if backend == "sglang" else {"CPU": 1.0}
+def server_resources(
+    backend: str, resources: Mapping[str, float], tensor_parallel: int = 1
+) -> dict[str, float]:
+    """One inference server's bundle: a CPU, and its GPUs (``server_gpus``)."""
+    gpus = server_gpus(backend, resources, tensor_parallel)
+    return {"CPU": 1.0, "GPU": float(gpus)} if gpus else {"CPU": 1.0}
 
 
 def _amount(value: float, kind: str) -> str:

@@ -25,7 +25,7 @@ import traceback
 import httpx
 import ray
 
-from workers.capacity import placement_timeout_s, resolve_backend
+from workers.capacity import placement_timeout_s, resolve_backend, server_resources
 from workers.job_api import LONG_POLL_S, InternalAPI, job_arguments
 from workers.replicas import PooledReplica
 
@@ -66,15 +66,17 @@ async def push_fair_share_weights(urls: list[str], weights: dict) -> list[str]:
 class PoolServers:
     """The pool's replicas on this cluster, grown and shrunk to the wanted count."""
 
-    def __init__(self, api: PoolAPI, settings: dict, backend: str):
+    def __init__(self, api: PoolAPI, settings: dict, backend: str, cluster: dict):
         self.api, self.backend = api, backend
-        self.resources = {"CPU": 1.0, "GPU": 1.0} if backend == "sglang" else {"CPU": 1.0}
+        tensor_parallel = int(settings.get("tensor_parallel") or 1)
+        self.resources = server_resources(backend, cluster, tensor_parallel)
         self.args = (
             backend,
             settings["base_model"],
             {"STEEP_TORCH_THREADS": os.environ.get("STEEP_TORCH_THREADS", "1")},
             os.environ.get("STEEP_PID_DIR", ""),
             {
+                "tensor_parallel": tensor_parallel,
                 "lora_rank": settings["max_lora_rank"],
                 "lora_target_modules": settings["lora_target_modules"],
                 # One limit for both: a batch holds at most what is loaded; past it the
@@ -121,8 +123,9 @@ async def run_pool(pool_id: str, web_url: str, secret: str) -> str:
     servers: PoolServers | None = None
     try:
         settings = await api.call("GET", "config")
-        backend = resolve_backend(settings["backend"], ray.cluster_resources())
-        servers = PoolServers(api, settings, backend)
+        cluster = ray.cluster_resources()
+        backend = resolve_backend(settings["backend"], cluster)
+        servers = PoolServers(api, settings, backend, cluster)
         wanted, status = int(settings["replicas"]), str(settings["status"])
         weights = dict(settings.get("run_weights") or {})
         while status in ("starting", "running"):

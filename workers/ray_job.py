@@ -159,11 +159,12 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
         # On Steep's local Ray head: where the servers are recorded, so a stop of Steep finds them.
         pid_dir = os.environ.get("STEEP_PID_DIR", "")
         # A LoRA run's servers serve its adapters beside the base model (SGLang's LoRA flags).
-        lora = (
-            {"lora_rank": config.lora_rank, "lora_target_modules": config.lora_target_modules}
-            if config.lora_rank
-            else {}
-        )
+        server_kwargs: dict[str, Any] = {"tensor_parallel": config.inference_tensor_parallel}
+        if config.lora_rank:
+            server_kwargs |= {
+                "lora_rank": config.lora_rank,
+                "lora_target_modules": config.lora_target_modules,
+            }
         if config.inference_pool:
             # A shared pool's servers already run the base model: the run only adds its adapters.
             pooled = await api.pool_servers(placement_timeout_s())
@@ -172,7 +173,7 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
         else:
             replicas = [
                 InferenceReplica.options(**ray_options(needs.server_resources)).remote(
-                    backend, config.base_model, env, pid_dir, lora
+                    backend, config.base_model, env, pid_dir, server_kwargs
                 )
                 for _ in range(config.num_inference_servers)
             ]
@@ -215,10 +216,15 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
                 on_change=on_change,
                 skip_unreachable=True,
                 switch=switch,
+                backend=backend,
             )
             if config.lora_rank
             else WeightSync(
-                urls, data_dir / "weights", strategy=config.weight_sync, skip_unreachable=True
+                urls,
+                data_dir / "weights",
+                strategy=config.weight_sync,
+                skip_unreachable=True,
+                backend=backend,
             )
         )
         loop = TrainingLoop(
@@ -265,6 +271,7 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
                 adapter_prefix=run_id if config.lora_rank else None,
                 adapter_switch=switch,
                 rows_used={int(k): v for k, v in resumed["rows_used"].items()},
+                backend=backend,
             )
             driver_task = asyncio.create_task(driver.run())
 

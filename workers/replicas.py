@@ -1,7 +1,7 @@
 """Inference servers as Ray actors: a run's dedicated replicas and a shared pool's.
 
-``InferenceReplica`` owns one server (SGLang on a GPU node, the torch engine otherwise,
-``rl_core.inference.launch``). A run's job starts its replicas with plain actor
+``InferenceReplica`` owns one server (the run's or pool's backend: the torch engine, SGLang
+or vLLM, ``rl_core.inference.launch``). A run's job starts its replicas with plain actor
 resources; a pool's job (``workers.pool_job``) gives each replica a placement group of
 its own (``PooledReplica``), so that scaling a pool reserves and frees whole replicas.
 """
@@ -16,11 +16,12 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rl_core.inference.launch import free_port, make_inference_server
+from rl_core.inference.vllm import vllm_cpu_settings
 
 
 @ray.remote
 class InferenceReplica:
-    """One inference server (SGLang on a GPU node, the torch engine otherwise) owned by a Ray actor."""
+    """One inference server (the torch engine, SGLang or vLLM) owned by a Ray actor."""
 
     def __init__(
         self,
@@ -33,16 +34,14 @@ class InferenceReplica:
         os.environ.update(env)
         host = (
             "127.0.0.1"
-            if backend == "torch" and env.get("STEEP_LOCAL_ONLY", "1") == "1"
+            if backend != "sglang" and env.get("STEEP_LOCAL_ONLY", "1") == "1"
             else ray.util.get_node_ip_address()
         )
+        kwargs = dict(server_kwargs or {})
+        if backend == "vllm" and not ray.get_gpu_ids():  # its CPU build
+            kwargs |= vllm_cpu_settings()
         self.server = make_inference_server(
-            backend,
-            model_path,
-            host=host,
-            port=free_port(),
-            pid_dir=pid_dir or None,
-            **(server_kwargs or {}),
+            backend, model_path, host=host, port=free_port(), pid_dir=pid_dir or None, **kwargs
         )
         self.server.start()
         self.server.wait_healthy(timeout=float(env.get("STEEP_SERVER_START_TIMEOUT", "600")))

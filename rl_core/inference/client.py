@@ -45,6 +45,7 @@ from rl_core.inference.protocol import (
     error_from_answer,
     parse_segment,
     parse_weight_version,
+    token_versions,
 )
 from rl_core.inference.updates import UpdateCalls
 
@@ -137,6 +138,18 @@ class _Progress:
             body["stream"] = True
         return body
 
+    def revise(self, start: int, meta: dict[str, Any]) -> list[int] | None:
+        """The segment from ``start`` on, per the spans of its last event; every token's version
+        when they changed what its earlier events said, else None. (A stream that reports
+        spans only on its last event, as vLLM's, gave its earlier tokens a provisional one.)"""
+        if not meta.get("weight_versions"):
+            return None
+        versions = token_versions(meta, len(self.output_ids) - start)
+        if versions == self.versions[start:]:
+            return None
+        self.versions[start:] = versions
+        return list(self.versions)
+
     def record(self, chunk: GenerateChunk) -> None:
         self.output_ids += chunk.output_ids
         self.logprobs += chunk.output_logprobs
@@ -166,6 +179,8 @@ class InferenceClient(UpdateCalls):
     Requests to ``/generate`` have no read timeout by default: a generation may
     legitimately wait through a pause and a weight update.
     """
+
+    backend = "sglang"  # the protocol it speaks (the torch engine's too)
 
     def __init__(
         self,
@@ -305,6 +320,7 @@ class InferenceClient(UpdateCalls):
                     switch.track(progress.rid, self, progress.lora_path)
                 lora_version = adapter_version(progress.lora_path)
                 seen, finish, text = 0, None, ""
+                start = len(progress.output_ids)  # where this segment's tokens begin
                 chunk = GenerateChunk(output_ids=[], output_logprobs=[], versions=[])
                 events = self._segment_events(progress.body(stream=stream), stream=stream)
                 async with contextlib.aclosing(events):
@@ -327,6 +343,8 @@ class InferenceClient(UpdateCalls):
                         seen, text = seen + len(ids), data.get("text") or ""
                         progress.record(chunk)
                         if finish is not None:
+                            if stream and lora_version is None:
+                                chunk.revised_versions = progress.revise(start, data["meta_info"])
                             break
                         if chunk.output_ids:
                             yield chunk

@@ -104,6 +104,10 @@ class GenerateChunk:
     finish_reason: str | None = None
     matched_stop: int | str | None = None
     top_logprobs: list[list[tuple[float, int]]] | None = None
+    # Set when the server reported the versions of tokens it had already streamed only at the
+    # end (vLLM's stream does): the version of every token of the generation so far, which
+    # replaces what the earlier chunks said.
+    revised_versions: list[int] | None = None
 
 
 def token_versions(meta: dict[str, Any], n: int) -> list[int]:

@@ -63,7 +63,7 @@ class SGLangServer(InferenceServer):
         self,
         model_path: str | os.PathLike[str],
         *,
-        tp_size: int = 1,
+        tensor_parallel: int = 1,
         mem_fraction_static: float | None = None,
         max_running_requests: int | None = None,
         context_length: int | None = None,
@@ -79,7 +79,7 @@ class SGLangServer(InferenceServer):
         **kwargs: Any,
     ):
         super().__init__(model_path, **kwargs)
-        self.tp_size = tp_size
+        self.tensor_parallel = tensor_parallel
         self.mem_fraction_static = mem_fraction_static
         self.max_running_requests = max_running_requests
         self.context_length = context_length
@@ -99,7 +99,7 @@ class SGLangServer(InferenceServer):
             "--host", self.host,
             "--port", str(self.port),
             "--weight-version", self.weight_version,
-            "--tp-size", str(self.tp_size),
+            "--tp-size", str(self.tensor_parallel),
         ]  # fmt: skip
         optional = {
             "--mem-fraction-static": self.mem_fraction_static,

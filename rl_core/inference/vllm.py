@@ -33,7 +33,7 @@ from typing import Any
 
 import httpx
 
-from rl_core.inference.client import InferenceClient
+from rl_core.inference.client import InferenceClient, InferenceError, PooledInferenceClient
 from rl_core.inference.process import InferenceServer
 from rl_core.inference.protocol import parse_weight_version
 
@@ -52,6 +52,19 @@ def vllm_available() -> bool:
     return Path(vllm_python()).exists()
 
 
+def vllm_cpu_settings() -> dict[str, Any]:
+    """How Steep runs vLLM's CPU build: float32, as the trainer computes on CPUs (so the
+    logprobs recorded and recomputed agree), a KV cache of ``STEEP_VLLM_CPU_KVCACHE_GB``
+    GiB (default 2; vLLM's own default takes most of the host's memory), and
+    ``STEEP_TORCH_THREADS`` threads (default 1), as the torch engine."""
+    threads = os.environ.get("STEEP_TORCH_THREADS", "1")
+    return {
+        "dtype": "float32",
+        "kv_cache_space_gb": int(os.environ.get("STEEP_VLLM_CPU_KVCACHE_GB", "2")),
+        "env": {"OMP_NUM_THREADS": threads},
+    }
+
+
 class VLLMServer(InferenceServer):
     """``python -m vllm.entrypoints.openai.api_server`` from vLLM's own environment."""
 
@@ -61,7 +74,7 @@ class VLLMServer(InferenceServer):
         self,
         model_path: str | os.PathLike[str],
         *,
-        tensor_parallel_size: int = 1,
+        tensor_parallel: int = 1,
         dtype: str | None = None,
         max_model_len: int | None = None,
         max_num_seqs: int | None = None,
@@ -69,20 +82,27 @@ class VLLMServer(InferenceServer):
         served_model_name: str | None = None,
         seed: int | None = None,
         lora_rank: int = 0,
-        max_loras: int | None = None,
-        kv_cache_space_gb: float | None = None,
+        lora_target_modules: Sequence[str] = (),
+        max_loras_per_batch: int | None = None,
+        max_loaded_loras: int | None = None,
+        kv_cache_space_gb: int | None = None,
         **kwargs: Any,
     ):
         super().__init__(model_path, **kwargs)
-        self.tensor_parallel_size = tensor_parallel_size
+        self.tensor_parallel = tensor_parallel
         self.dtype = dtype
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.gpu_memory_utilization = gpu_memory_utilization
         self.served_model_name = served_model_name
         self.seed = seed
+        # vLLM reads each adapter's target modules from its adapter_config.json: the launch
+        # takes the rank bound and how many adapters a batch (--max-loras) and the CPU-side
+        # cache (--max-cpu-loras) hold; ``lora_target_modules`` is accepted for the common
+        # launcher interface and needs no flag.
         self.lora_rank = lora_rank
-        self.max_loras = max_loras
+        self.max_loras = max_loras_per_batch
+        self.max_cpu_loras = max_loaded_loras
         self.kv_cache_space_gb = kv_cache_space_gb
 
     def command(self) -> list[str]:
@@ -93,7 +113,7 @@ class VLLMServer(InferenceServer):
             "--port", str(self.port),
             "--enable-scale-out",  # the token-in/token-out /inference/v1/generate
             "--logprobs-mode", "processed_logprobs",
-            "--tensor-parallel-size", str(self.tensor_parallel_size),
+            "--tensor-parallel-size", str(self.tensor_parallel),
         ]  # fmt: skip
         optional = {
             "--dtype": self.dtype,
@@ -110,6 +130,8 @@ class VLLMServer(InferenceServer):
             cmd += ["--enable-lora", "--max-lora-rank", str(self.lora_rank)]
             if self.max_loras is not None:
                 cmd += ["--max-loras", str(self.max_loras)]
+            if self.max_cpu_loras is not None:
+                cmd += ["--max-cpu-loras", str(max(self.max_cpu_loras, self.max_loras or 1))]
         return cmd + self.extra_args
 
     def environment(self) -> dict[str, str]:
@@ -172,10 +194,15 @@ _FINISH = {"stop": "stop", "length": "length", "abort": "abort", "cancelled": "a
 
 
 class _Answer:
-    """One vLLM request's answer so far, in SGLang's cumulative shape."""
+    """One vLLM request's answer so far, in SGLang's cumulative shape.
 
-    def __init__(self, top_n: int):
+    ``provisional``: the version given to the tokens of a stream's events before its last,
+    which alone reports the spans (the client's newest known version); the last event's
+    spans then revise them (``GenerateChunk.revised_versions``)."""
+
+    def __init__(self, top_n: int, provisional: int = 0):
         self.top_n = top_n
+        self.provisional = provisional
         self.ids: list[int] = []
         self.logprobs: list[list] = []
         self.top: list[list[list]] = []
@@ -210,8 +237,7 @@ class _Answer:
             "weight_versions": self.spans,
             "completion_tokens": len(self.ids),
         }
-        if self.spans:
-            meta["weight_version"] = self.spans[-1]["version"]
+        meta["weight_version"] = self.spans[-1]["version"] if self.spans else self.provisional
         if self.top_n:
             meta["output_top_logprobs"] = self.top
         return {"text": "", "output_ids": list(self.ids), "meta_info": meta}
@@ -221,12 +247,21 @@ class VLLMClient(InferenceClient):
     """``InferenceClient`` for a vLLM server: SGLang's interface, vLLM's routes."""
 
     backend = "vllm"
+    last_version = 0  # the newest weight version an answer reported
+
+    def _answer(self, body: dict[str, Any]) -> _Answer:
+        return _Answer(int(body.get("top_logprobs_num") or 0), self.last_version)
+
+    def _seen(self, answer: dict[str, Any]) -> dict[str, Any]:
+        spans = answer["meta_info"]["weight_versions"]
+        if spans:
+            self.last_version = max(self.last_version, parse_weight_version(spans[-1]["version"]))
+        return answer
 
     async def _post_generate(self, body: dict[str, Any]) -> Any:
         request = vllm_generate_body(body)
-        answer = _Answer(int(body.get("top_logprobs_num") or 0))
         response = await self._request("POST", "/inference/v1/generate", json_body=request)
-        return answer.add(response.json())
+        return self._seen(self._answer(body).add(response.json()))
 
     async def _segment_events(
         self, body: dict[str, Any], *, stream: bool
@@ -234,11 +269,11 @@ class VLLMClient(InferenceClient):
         if not stream:
             yield await self._post_generate(body)
             return
-        answer = _Answer(int(body.get("top_logprobs_num") or 0))
+        answer = self._answer(body)
         events = self._stream_events("/inference/v1/generate", vllm_generate_body(body))
         async with contextlib.aclosing(events):  # closing the stream early ends the request
             async for data in events:
-                yield answer.add(data)
+                yield self._seen(answer.add(data))
 
     async def pause_generation(self, mode: str = "abort") -> dict[str, Any]:
         """``abort`` ends every request in flight (they return aborted and are resumed);
@@ -265,6 +300,29 @@ class VLLMClient(InferenceClient):
     async def get_weight_version(self) -> int:
         info = (await self._request("GET", "/weight_info")).json()
         return parse_weight_version(info.get("weight_version"))
+
+    async def get_server_info(self) -> dict[str, Any]:
+        """What ``WeightSync`` reads of a server (SGLang's names): ``version``, ``device``,
+        ``tp_size``; and ``weight_broadcast`` false: new weights reach vLLM from disk here."""
+        info = (await self._request("GET", "/server_info?config_format=json")).json()
+        config = info.get("vllm_config") or {}
+        device = str((config.get("device_config") or {}).get("device") or "cpu")
+        parallel = config.get("parallel_config") or {}
+        return {
+            "version": f"vllm-{(await self._request('GET', '/version')).json().get('version')}",
+            "device": device,
+            "tp_size": int(parallel.get("tensor_parallel_size") or 1),
+            "weight_broadcast": False,
+        }
+
+    async def get_model_info(self) -> dict[str, Any]:
+        return {"weight_version": str(await self.get_weight_version())}
+
+    async def init_weights_update_group(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        raise InferenceError(
+            "vLLM servers take new weights from disk (POST /collective_rpc reload_weights); "
+            "Steep's broadcast speaks SGLang's weight-group routes, which vLLM does not have"
+        )
 
     async def update_weight_version(self, version: int | str) -> None:
         await self._request(
@@ -315,11 +373,15 @@ class VLLMClient(InferenceClient):
         return {"success": True}
 
 
-def client_for(backend: str, base_url: str, **kwargs: Any) -> InferenceClient:
-    """The client that speaks ``backend``'s protocol (vLLM's, or SGLang's for the others)."""
-    return (
-        VLLMClient(base_url, **kwargs) if backend == "vllm" else InferenceClient(base_url, **kwargs)
-    )
+def client_for(
+    backend: str, base_url: str, *, pooled: bool = False, **kwargs: Any
+) -> InferenceClient:
+    """The client that speaks ``backend``'s protocol: vLLM's, or SGLang's for the others (the
+    torch engine, SGLang, an attached ``external`` server). ``pooled``: the gateway's
+    ``PooledInferenceClient`` for SGLang's protocol (vLLM's client has one kind)."""
+    if backend == "vllm":
+        return VLLMClient(base_url, **kwargs)
+    return (PooledInferenceClient if pooled else InferenceClient)(base_url, **kwargs)
 
 
 __all__: Sequence[str] = [
@@ -327,6 +389,7 @@ __all__: Sequence[str] = [
     "VLLMServer",
     "client_for",
     "vllm_available",
+    "vllm_cpu_settings",
     "vllm_generate_body",
     "vllm_python",
     "vllm_sampling_params",

@@ -68,7 +68,7 @@ def test_servers_register_and_the_pool_runs(job, pool):
     [
         ("servers", {"url": "ftp://x"}),
         ("servers", {"url": "http://x", "action": "explode"}),
-        ("servers", {"url": "http://x", "backend": "vllm"}),
+        ("servers", {"url": "http://x", "backend": "tgi"}),
         ("status", {"status": "exploded"}),
         ("status", {"status": "failed", "error": 3}),
     ],

@@ -67,7 +67,7 @@ LAUNCHES = [
     ({"lora_rank": 16, "lora_target_modules": ["all-linear"], "max_loaded_loras": 12}, {}),
     (
         {
-            "tp_size": 2,
+            "tensor_parallel": 2,
             "mem_fraction_static": 0.7,
             "max_running_requests": 64,
             "context_length": 4096,

@@ -20,6 +20,7 @@ from rl_core.inference.launch import (
     sglang_available,
 )
 from rl_core.inference.sglang import SGLangServer
+from rl_core.inference.vllm import VLLMServer
 
 
 def test_sglang_command_line_uses_launch_server_flags(tmp_path):
@@ -28,7 +29,7 @@ def test_sglang_command_line_uses_launch_server_flags(tmp_path):
         host="0.0.0.0",
         port=30001,
         weight_version=3,
-        tp_size=2,
+        tensor_parallel=2,
         mem_fraction_static=0.8,
         max_running_requests=64,
         context_length=8192,
@@ -109,10 +110,27 @@ def test_auto_backend_picks_sglang_only_with_sglang_and_a_gpu(monkeypatch):
         choose_backend("sglang")
     monkeypatch.setattr(launch, "sglang_available", lambda: True)
     assert choose_backend("auto") == "sglang"
-    assert isinstance(make_inference_server("auto", "/m", port=1, tp_size=2), SGLangServer)
+    assert isinstance(make_inference_server("auto", "/m", port=1, tensor_parallel=2), SGLangServer)
     assert choose_backend("torch") == "torch"
     with pytest.raises(ValueError, match="not one of"):
+        choose_backend("tgi")
+
+
+def test_vllm_is_chosen_only_by_name_and_only_where_its_environment_is(monkeypatch):
+    monkeypatch.setattr(launch, "sglang_available", lambda: False)
+    monkeypatch.setattr(launch, "vllm_available", lambda: False)
+    with pytest.raises(ValueError, match="./steep install --vllm"):
         choose_backend("vllm")
+    monkeypatch.setattr(launch, "vllm_available", lambda: True)
+    assert choose_backend("vllm") == "vllm"
+    assert choose_backend("auto") == "torch"  # auto never picks it (docs/operations.md says why)
+    server = make_inference_server("vllm", "/m", port=1, tensor_parallel=2, lora_rank=8)
+    assert isinstance(server, VLLMServer)
+    command = server.command()
+    assert command[command.index("--tensor-parallel-size") + 1] == "2"
+    assert command[command.index("--max-lora-rank") + 1] == "8"
+    with pytest.raises(ValueError, match="one device"):
+        make_inference_server("torch", "/m", port=1, tensor_parallel=2)
 
 
 def test_torch_engine_server_starts_serves_and_stops(tiny_model_dir, tmp_path):

@@ -6,7 +6,7 @@ from torch.testing import assert_close
 
 from rl_core.config import RunConfig
 from rl_core.loop import ListReporter, QueueSource, TrainingLoop
-from rl_core.metrics import StatsAccumulator
+from rl_core.metrics import StatsAccumulator, logprob_gap
 from rl_core.packing import pack, packed_logprobs
 from rl_core.trainer import PPOTrainer, lr_factor
 from rl_core.types import Trajectory
@@ -307,6 +307,8 @@ async def test_trainer_agrees_with_the_inference_servers_logprobs_before_and_aft
         # Sampled at temperature 0.8 with top-p, yet behaviour == proximal: one definition of logprob.
         assert stats["ppo/behav_imp_weight_max"] == pytest.approx(1.0, abs=1e-3)
         assert stats["ppo/behav_imp_weight"] == pytest.approx(1.0, abs=1e-4)
+        # The same in absolute logprob: the engine's and the trainer's numerics agree.
+        assert stats["rollout/logprob_gap"] < 1e-4 and stats["rollout/logprob_gap_max"] < 1e-3
 
         path = trainer.save_weights(tmp_path / "v1")
         await client.update_weights_from_disk(path, weight_version=trainer.version)
@@ -324,3 +326,25 @@ def test_stats_accumulator_weights_means_and_keeps_maxima():
     acc.add({"ppo/clip_frac": 1.0, "ppo/w_max": 2.0}, weight=1.0)
     acc.add({"ppo/clip_frac": 4.0, "ppo/w_max": 1.0}, weight=3.0)
     assert acc.result() == {"ppo/clip_frac": 13 / 4, "ppo/w_max": 2.0}
+
+
+def test_the_logprob_gap_counts_only_trained_tokens_of_the_trainers_own_version():
+    recomputed = torch.tensor([0.0, -1.0, -2.0, -3.0, -4.0])
+    behaviour = torch.tensor([0.0, -1.5, -2.0, -3.0, -2.0])
+    mask = torch.tensor([0, 1, 1, 1, 0])  # the last token is not trained
+    versions = torch.tensor([-1, 3, 3, 2, 3])  # token 3 came from an older version
+    stats, count = logprob_gap(recomputed, behaviour, mask, versions, 3)
+    assert count == 2
+    assert stats == {"rollout/logprob_gap": 0.25, "rollout/logprob_gap_max": 0.5}
+    assert logprob_gap(recomputed, behaviour, mask, versions, 4) == ({}, 0)
+
+
+def test_a_train_step_reports_how_far_behaviour_logprobs_are_from_its_own(model_path):
+    trainer = PPOTrainer(_cfg(model_path))
+    batch = _batch(trainer)
+    for traj in batch:  # an engine 0.25 nats off on every generated token
+        traj.logprobs = [lp - 0.25 * m for lp, m in zip(traj.logprobs, traj.loss_mask, strict=True)]
+    stats = trainer.train_step(batch)
+    assert stats["rollout/logprob_gap"] == pytest.approx(0.25, abs=1e-5)
+    stale = trainer.train_step(_batch(trainer, version=trainer.version - 1))
+    assert "rollout/logprob_gap" not in stale  # no token of the trainer's weights: no gap

@@ -8,7 +8,6 @@ so that this module cannot skip there.
 
 from __future__ import annotations
 
-import asyncio
 import os
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from rl_core.inference.client import InferenceError
 from rl_core.inference.vllm import VLLMClient, VLLMServer, vllm_available, vllm_python
 
 pytestmark = pytest.mark.slow
@@ -63,6 +63,8 @@ def server(vllm_models, tmp_path_factory) -> Any:
         dtype="float32",
         max_model_len=2048,
         kv_cache_space_gb=1,
+        lora_rank=8,  # the LoRA test's adapters; the base model serves as before
+        max_loras_per_batch=2,
         log_path=logs / "vllm.log",
         env={"OMP_NUM_THREADS": "1"},
     )
@@ -123,41 +125,48 @@ async def test_a_stream_is_the_answer_in_pieces_with_its_top_logprobs(client):
         assert len(row) == 2 and row[0][0] >= row[1][0]  # best first, as SGLang orders them
 
 
+async def started(stream) -> list:
+    """The stream's first chunk, once it came: the request is running on the server."""
+    return [await anext(stream)]
+
+
 async def test_a_pause_in_place_keeps_the_request_and_versions_its_tokens(client):
     before = await client.get_weight_version()
-    task = asyncio.create_task(client.generate(PROMPT, LONG))
-    await asyncio.sleep(0.3)
+    stream = client.generate_stream(PROMPT, LONG)
+    chunks = await started(stream)
     await client.pause_generation("in_place")
     assert await client.is_paused()
-    assert not task.done(), "the request ended before the pause"
     await client.update_weight_version(before + 1)
     await client.continue_generation()
-    result = await task
-    assert result.num_segments == 1 and result.finish_reason == "length"
-    assert len(result.output_ids) == LONG["max_new_tokens"]
-    assert result.versions[0] == before and result.versions[-1] == before + 1
-    assert result.versions == sorted(result.versions)
+    chunks += [chunk async for chunk in stream]
+    assert chunks[-1].finish_reason == "length"
+    assert sum(len(c.output_ids) for c in chunks) == LONG["max_new_tokens"]
+    # vLLM reports the versions on its last event only: it revises what the chunks said.
+    versions = chunks[-1].revised_versions
+    assert versions is not None and len(versions) == LONG["max_new_tokens"]
+    assert versions[0] == before and versions[-1] == before + 1
+    assert versions == sorted(versions)
+    assert [v for c in chunks[:-1] for v in c.versions] != versions[: -len(chunks[-1].versions)]
 
 
 async def test_a_pause_that_aborts_is_resumed_by_the_client_transparently(client):
-    task = asyncio.create_task(client.generate(PROMPT, LONG))
-    await asyncio.sleep(0.2)
+    stream = client.generate_stream(PROMPT, LONG)
+    chunks = await started(stream)
     await client.pause_generation("abort")
-    await asyncio.sleep(0.2)
     await client.continue_generation()
-    result = await task
-    assert result.finish_reason == "length" and len(result.output_ids) == LONG["max_new_tokens"]
-    assert result.num_segments >= 2
+    chunks += [chunk async for chunk in stream]
+    assert chunks[-1].finish_reason == "length"
+    assert sum(len(c.output_ids) for c in chunks) == LONG["max_new_tokens"]
 
 
 async def test_a_request_is_aborted_by_its_id(server):
     async with VLLMClient(server.url, max_resumes=0) as client:
-        task = asyncio.create_task(client.generate(PROMPT, LONG, rid="steep-abort-1"))
-        await asyncio.sleep(0.2)
+        stream = client.generate_stream(PROMPT, LONG, rid="steep-abort-1")
+        chunks = await started(stream)
         await client.abort_request("steep-abort-1")
-        result = await task
-    assert result.finish_reason == "abort"
-    assert 0 < len(result.output_ids) < LONG["max_new_tokens"]
+        chunks += [chunk async for chunk in stream]
+    assert chunks[-1].finish_reason == "abort"
+    assert 0 < sum(len(c.output_ids) for c in chunks) < LONG["max_new_tokens"]
 
 
 async def test_new_weights_reach_the_running_server_from_disk_without_a_restart(
@@ -185,3 +194,106 @@ async def test_new_weights_reach_the_running_server_from_disk_without_a_restart(
     finally:
         await client.update_weights_from_disk(str(base), weight_version=10)
     assert server.process.pid == pid and server.process.poll() is None
+
+
+class Events:
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str]] = []
+
+    async def event(self, kind: str, message: str) -> None:
+        self.seen.append((kind, message))
+
+
+def trainer_for(base: Path, **settings: Any) -> Any:
+    from rl_core.trainer import PPOTrainer
+    from tests.rl_core.test_trainer import _cfg
+
+    trainer = PPOTrainer(_cfg(str(base), **settings))
+    trainer.model.eval()
+    return trainer
+
+
+def trainer_logprobs(trainer: Any, output: list[int]) -> torch.Tensor:
+    ids = torch.tensor([PROMPT + output])
+    with torch.no_grad():
+        logits = trainer.model(input_ids=ids).logits[0, len(PROMPT) - 1 : -1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(output)[:, None])[:, 0]
+
+
+async def test_the_weight_sync_puts_a_trainers_weights_into_the_running_vllm_from_disk(
+    client, server, vllm_models, tmp_path
+):
+    from rl_core.weight_sync import WeightSync
+
+    base, _ = vllm_models
+    trainer = trainer_for(base)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for param in trainer.model.parameters():
+            param.add_(torch.randn(param.shape, generator=gen) * 0.3 * param.std())
+    trainer.version = 4
+    events = Events()
+    # The run's default strategy: vLLM joins no broadcast, so its versions go by disk.
+    sync = WeightSync(
+        [server.url], tmp_path / "weights", strategy="distributed", backend="vllm", reporter=events
+    )
+    pid = server.process.pid
+    try:
+        assert await sync.push(trainer) == 4
+        assert [kind for kind, _ in events.seen] == ["weight_sync"]
+        assert "from disk" in events.seen[0][1]
+        assert sync.last_timing["timing/inference_stall"] > 0
+        assert await client.get_weight_version() == 4
+        result = await client.generate(
+            PROMPT, {"max_new_tokens": 8, "temperature": 1.0, "sampling_seed": 4}
+        )
+        assert set(result.versions) == {4}
+        torch.testing.assert_close(
+            torch.tensor(result.output_logprobs),
+            trainer_logprobs(trainer, result.output_ids),
+            atol=TOLERANCE,
+            rtol=0,
+        )
+    finally:
+        await sync.aclose(trainer)
+        await client.update_weights_from_disk(str(base), weight_version=10)
+    assert server.process.pid == pid and server.process.poll() is None
+
+
+async def test_each_lora_version_is_an_adapter_the_running_vllm_serves_by_name(
+    client, vllm_models, tmp_path
+):
+    from rl_core.adapter_sync import AdapterSync
+
+    base, _ = vllm_models
+    trainer = trainer_for(base, lora_rank=8, lora_alpha=16.0)
+    sync = AdapterSync([client.base_url], tmp_path / "adapters", "run5", keep=1, backend="vllm")
+    greedy = {"max_new_tokens": 8, "temperature": 0.0}
+    plain = await client.generate(PROMPT, greedy)
+    try:
+        for version, seed in ((1, 11), (2, 12)):
+            torch.manual_seed(seed)
+            with torch.no_grad():
+                for name, param in trainer.model.named_parameters():
+                    if "lora_B" in name:
+                        param.normal_(0.0, 0.2)
+            trainer.version = version
+            assert await sync.push(trainer) == version
+            await sync.drain()
+            sampled = await client.generate(
+                PROMPT,
+                {"max_new_tokens": 8, "temperature": 1.0, "sampling_seed": seed},
+                lora_path=f"run5-v{version}",
+            )
+            assert set(sampled.versions) == {version}  # the adapter's version, not the server's
+            torch.testing.assert_close(
+                torch.tensor(sampled.output_logprobs),
+                trainer_logprobs(trainer, sampled.output_ids),
+                atol=TOLERANCE,
+                rtol=0,
+            )
+        with pytest.raises(InferenceError):  # keep=1: the older version was unloaded
+            await client.generate(PROMPT, greedy, lora_path="run5-v1")
+        assert (await client.generate(PROMPT, greedy)).output_ids == plain.output_ids
+    finally:
+        await sync.aclose()

@@ -242,7 +242,7 @@ def test_run_form_dataset_mode_links_the_dataset(member_client, project, make_da
         ({"max_staleness": "-1"}, "max_staleness", "at least 0"),
         ({"max_staleness": "four"}, "max_staleness", "whole number"),
         ({"base_model": ""}, "base_model", "required"),
-        ({"inference_backend": "vllm"}, "inference_backend", "valid choice"),
+        ({"inference_backend": "tgi"}, "inference_backend", "valid choice"),
         ({"reward": "{not json"}, "reward", "JSON object"),
         ({"reward": '{"type": "regex", "pattern": "("}'}, "reward", "regular expression"),
         ({"reward": '{"type": "python"}'}, "reward", "module.submodule:function"),

@@ -23,7 +23,7 @@ class GatewayCaches:
     # (event loop id, server url) → a pooled HTTP client: clients are bound to their loop.
     clients: dict[tuple[int, str], Any] = field(default_factory=dict)
     # run id → (expiry on the monotonic clock, [(url, healthy)]).
-    servers: dict[object, tuple[float, list[tuple[str, bool]]]] = field(default_factory=dict)
+    servers: dict[object, tuple[float, list[tuple[str, bool, str]]]] = field(default_factory=dict)
     # (event loop id, run id) → the read of the server list in flight (single flight).
     server_reads: dict[tuple[int, object], asyncio.Future] = field(default_factory=dict)
     # server url → requests this process has in flight there: new sessions go to the least loaded.

@@ -12,10 +12,11 @@ from django.db import connections
 
 from rl_core.inference.client import (
     GenerateResult,
+    InferenceClient,
     InferenceError,
     InferenceUnavailable,
-    PooledInferenceClient,
 )
+from rl_core.inference.vllm import client_for
 from webapp.gateway import selectors
 from webapp.gateway.caches import CACHES, SERVERS_TTL_S
 from webapp.gateway.errors import GatewayError
@@ -39,12 +40,14 @@ def _in_thread(function):
     return sync_to_async(call, thread_sensitive=False)
 
 
-def order_candidates(servers: list[tuple[str, bool]], sticky: str) -> list[tuple[str, bool]]:
+def order_candidates(
+    servers: list[tuple[str, bool, str]], sticky: str
+) -> list[tuple[str, bool, str]]:
     """The session's own server first, then the least loaded in this process."""
     return sorted(servers, key=lambda server: (server[0] != sticky, CACHES.in_flight[server[0]]))
 
 
-async def _candidates(run_id, sticky: str) -> list[tuple[str, bool]]:
+async def _candidates(run_id, sticky: str) -> list[tuple[str, bool, str]]:
     cached = CACHES.servers.get(run_id)
     if cached is not None and cached[0] > time.monotonic():
         return order_candidates(cached[1], sticky)
@@ -58,7 +61,7 @@ async def _candidates(run_id, sticky: str) -> list[tuple[str, bool]]:
     return order_candidates(servers, sticky)
 
 
-async def _read_servers(run_id) -> list[tuple[str, bool]]:
+async def _read_servers(run_id) -> list[tuple[str, bool, str]]:
     servers = await _in_thread(selectors.server_candidates)(run_id=run_id)
     if servers:  # an empty list is not cached: a server attached now is used at once
         CACHES.servers[run_id] = (time.monotonic() + SERVERS_TTL_S, servers)
@@ -70,12 +73,12 @@ async def _mark_down(run_id, url: str) -> None:
     await _in_thread(inference_server_mark_down)(run_id=run_id, url=url)
 
 
-def _client(url: str) -> PooledInferenceClient:
+def _client(url: str, backend: str) -> InferenceClient:
     # One pooled HTTP client per event loop and server: HTTP clients are bound to their loop.
     key = (id(asyncio.get_running_loop()), url)
     client = CACHES.clients.get(key)
-    if client is None:
-        client = CACHES.clients[key] = PooledInferenceClient(url)
+    if client is None or (client.backend == "vllm") != (backend == "vllm"):
+        client = CACHES.clients[key] = client_for(backend, url, pooled=True)
     return client
 
 
@@ -123,8 +126,8 @@ async def _generate(
     if not candidates:
         raise _no_server()
     last_error: Exception | None = None
-    for url, healthy in candidates:
-        client = _client(url)
+    for url, healthy, backend in candidates:
+        client = _client(url, backend)
         CACHES.in_flight[url] += n
         try:
             results = await asyncio.gather(
@@ -271,8 +274,8 @@ async def _generate_stream(
     if not candidates:
         raise _no_server()
     last_error: Exception | None = None
-    for url, healthy in candidates:
-        client = _client(url)
+    for url, healthy, backend in candidates:
+        client = _client(url, backend)
         CACHES.in_flight[url] += n
         rids, streams = [], []
         for params in _per_sample(sampling_params, n, seed):

@@ -21,16 +21,16 @@ from webapp.runs.models import Run
 logger = logging.getLogger(__name__)
 
 
-def server_candidates(*, run_id) -> list[tuple[str, bool]]:
-    """Serving server URLs of a run with their ``healthy`` flag, in registration order (a
-    server whose back-off has passed is listed with ``False``); ``inference.order_candidates`` puts
-    them best first for a request."""
+def server_candidates(*, run_id) -> list[tuple[str, bool, str]]:
+    """Serving server URLs of a run with their ``healthy`` flag and backend, in registration
+    order (a server whose back-off has passed is listed with ``False``);
+    ``inference.order_candidates`` puts them best first for a request."""
     now = timezone.now()
     servers = list(
         InferenceServer.objects.filter(run_id=run_id)
         .filter(Q(healthy=True) | Q(unhealthy_until__lt=now))
         .order_by("registered_at")
-        .values_list("url", "healthy")
+        .values_list("url", "healthy", "backend")
     )
     return servers
 

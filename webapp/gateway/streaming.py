@@ -72,6 +72,8 @@ class ChoiceText:
             self._decode(final=False)
         self.logprobs += chunk.output_logprobs
         self.versions += chunk.versions
+        if chunk.revised_versions is not None:
+            self.versions = list(chunk.revised_versions)
         if chunk.top_logprobs:
             self.top += chunk.top_logprobs
         if chunk.finish_reason is not None:

@@ -60,6 +60,9 @@ class PoolInput(serializers.Serializer):
     base_model = serializers.CharField(max_length=500)
     backend = serializers.ChoiceField(choices=Pool.Backend.values, default=Pool.Backend.AUTO)
     replicas = serializers.IntegerField(default=1, min_value=0, max_value=services.MAX_REPLICAS)
+    tensor_parallel = serializers.IntegerField(
+        default=1, min_value=1, help_text="GPUs per server (SGLang and vLLM on GPUs); 1 on CPUs."
+    )
     max_lora_rank = serializers.IntegerField(default=64, min_value=1)
     lora_target_modules = serializers.ListField(
         child=serializers.CharField(), default=list, allow_empty=True
@@ -93,6 +96,7 @@ class PoolOutput(serializers.Serializer):
     base_model = serializers.CharField()
     backend = serializers.CharField()
     replicas = serializers.IntegerField(help_text="Servers wanted.")
+    tensor_parallel = serializers.IntegerField(help_text="GPUs per server.")
     status = serializers.ChoiceField(choices=POOL_STATUSES)
     max_lora_rank = serializers.IntegerField()
     lora_target_modules = serializers.ListField(child=serializers.CharField())

@@ -60,6 +60,7 @@ def config(request: HttpRequest, pool_id: str):
             "base_model": pool.base_model,
             "backend": pool.backend,
             "replicas": pool.replicas,
+            "tensor_parallel": pool.tensor_parallel,
             "status": pool.status,
             "max_lora_rank": pool.max_lora_rank,
             "lora_target_modules": pool.lora_target_modules,
@@ -82,8 +83,8 @@ def servers(request: HttpRequest, pool_id: str):
         return _error(400, "'action' must be register or unregister")
     if action == "register":
         backend = data.get("backend", "torch")
-        if backend not in ("torch", "sglang"):
-            return _error(400, "'backend' must be torch or sglang")
+        if backend not in ("torch", "sglang", "vllm"):
+            return _error(400, "'backend' must be torch, sglang or vllm")
         services.pool_server_register(pool=pool, url=url, backend=backend)
     else:
         services.pool_server_unregister(pool=pool, url=url)

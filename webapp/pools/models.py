@@ -35,6 +35,7 @@ class Pool(models.Model):
         AUTO = "auto"
         TORCH = "torch"
         SGLANG = "sglang"
+        VLLM = "vllm"
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     name = models.CharField(max_length=63, unique=True, validators=[POOL_NAME])
@@ -42,6 +43,11 @@ class Pool(models.Model):
     backend = models.CharField(max_length=10, choices=Backend.choices, default=Backend.AUTO)
     replicas = models.PositiveIntegerField(
         default=1, help_text="Servers the pool should run (one placement group each)."
+    )
+    tensor_parallel = models.PositiveIntegerField(
+        default=1,
+        validators=[MinValueValidator(1)],
+        help_text="GPUs per server (SGLang's --tp-size, vLLM's --tensor-parallel-size); 1 on CPUs.",
     )
     status = models.CharField(
         max_length=20, choices=Status.choices, default=Status.STOPPED, db_index=True

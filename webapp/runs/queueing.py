@@ -34,6 +34,7 @@ SIZING_FIELDS = (
     "num_inference_servers",
     "inference_pool",
     "inference_backend",
+    "inference_tensor_parallel",
     "lora_rank",
 )
 
@@ -67,7 +68,8 @@ def cluster_held(*, run: Run, resources: Mapping[str, float], kind: str) -> dict
             backend = resolve_backend(pool.backend, resources)
         except CapacityError:
             continue
-        held[f"pool {pool.name}"] = pool.replicas * server_resources(backend).get(kind, 0.0)
+        server = server_resources(backend, resources, pool.tensor_parallel)
+        held[f"pool {pool.name}"] = pool.replicas * server.get(kind, 0.0)
     others = 0.0
     active = Run.objects.filter(status__in=HOLDING_RUNS).exclude(pk=run.pk).order_by("created_at")
     for other in active:

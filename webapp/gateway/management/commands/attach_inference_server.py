@@ -17,7 +17,11 @@ class Command(BaseCommand):
             "--url", required=True, help="Server base URL, e.g. http://127.0.0.1:30000"
         )
         parser.add_argument(
-            "--backend", default="external", help="torch, sglang or external (label only)."
+            "--backend",
+            default="external",
+            choices=("external", "torch", "sglang", "vllm"),
+            help="What the server is: vllm is spoken to through vLLM's routes; the others "
+            "speak SGLang's native API (external: any server that does).",
         )
 
     def handle(self, *args, run, url, backend, **options):

@@ -17,6 +17,9 @@ class Command(BaseCommand):
         )
         parser.add_argument("--backend", default="auto", choices=Pool.Backend.values)
         parser.add_argument("--replicas", type=int, default=1, help="Servers (default 1).")
+        parser.add_argument(
+            "--tensor-parallel", type=int, default=1, help="GPUs per server (default 1)."
+        )
         parser.add_argument("--max-lora-rank", type=int, default=64)
         parser.add_argument("--lora-target-modules", nargs="*", default=[])
         parser.add_argument("--max-loaded-adapters", type=int, default=8)
@@ -36,6 +39,7 @@ class Command(BaseCommand):
                 base_model=options["model"],
                 backend=options["backend"],
                 replicas=options["replicas"],
+                tensor_parallel=options["tensor_parallel"],
                 max_lora_rank=options["max_lora_rank"],
                 lora_target_modules=options["lora_target_modules"],
                 max_loaded_adapters=options["max_loaded_adapters"],
