@@ -111,6 +111,7 @@ class RunConfig:
         1,
         "GPUs per inference server (SGLang's --tp-size, vLLM's --tensor-parallel-size): room for a large model's weights and KV cache. Counted by the capacity check and the queue; 1 on CPUs.",
         min=1,
+        advanced=True,
     )
     num_inference_servers: int = _f(1, "Inference server replicas the run starts.", min=1)
     weight_sync: str = _f(

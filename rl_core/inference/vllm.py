@@ -43,6 +43,19 @@ DEFAULT_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 VLLM_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
 
 
+# The ranks vLLM's --max-lora-rank takes (vllm.config.lora.MaxLoRARanks); adapters of any
+# rank up to it load.
+LORA_RANK_BOUNDS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def lora_rank_bound(rank: int) -> int:
+    """The smallest ``--max-lora-rank`` vLLM accepts that admits adapters of ``rank``."""
+    for bound in LORA_RANK_BOUNDS:
+        if rank <= bound:
+            return bound
+    raise ValueError(f"vLLM serves LoRA ranks up to {LORA_RANK_BOUNDS[-1]}; this run asks {rank}")
+
+
 def vllm_python() -> str:
     """The interpreter of vLLM's environment (``STEEP_VLLM_PYTHON``, else ``.venv-vllm``)."""
     return os.environ.get("STEEP_VLLM_PYTHON") or str(DEFAULT_PYTHON)
@@ -127,7 +140,7 @@ class VLLMServer(InferenceServer):
             if value is not None:
                 cmd += [flag, str(value)]
         if self.lora_rank > 0:
-            cmd += ["--enable-lora", "--max-lora-rank", str(self.lora_rank)]
+            cmd += ["--enable-lora", "--max-lora-rank", str(lora_rank_bound(self.lora_rank))]
             if self.max_loras is not None:
                 cmd += ["--max-loras", str(self.max_loras)]
             if self.max_cpu_loras is not None:

@@ -52,6 +52,17 @@ def stack(django_db_setup, tmp_path_factory):
         yield Stack(url=url, model_dir=model_dir, processes=processes)
 
 
+@pytest.fixture
+def rest(stack, api_key):
+    """The stack's REST API as the project's key."""
+    import httpx
+
+    with httpx.Client(
+        base_url=f"{stack.url}/api/v1", headers={"Authorization": f"Bearer {api_key}"}, timeout=30
+    ) as client:
+        yield client
+
+
 @contextmanager
 def steep_up_stack(
     tmp_path_factory, before_worker: Callable[[], None] = lambda: None, **extra_env: str

@@ -23,14 +23,6 @@ from webapp.rewards.models import JudgeCall
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
 
-@pytest.fixture
-def rest(stack, api_key):
-    with httpx.Client(
-        base_url=f"{stack.url}/api/v1", headers={"Authorization": f"Bearer {api_key}"}, timeout=30
-    ) as client:
-        yield client
-
-
 def run_state(rest, run_id: str) -> dict:
     return rest.get(f"/runs/{run_id}/").json()
 

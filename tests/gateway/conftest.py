@@ -185,8 +185,8 @@ def make_gateway(
     """``make(project, key, *, servers=None, model_dir=tiny_model_dir, run=None,
     running=True, name="agent", **run_config) -> Gateway``.
 
-    ``servers``: URLs to register instead of ``engine.url`` (in this order); ``run``: bind
-    the agent to an existing run instead of creating one.
+    ``servers``: URLs to register instead of ``engine.url`` (in this order), as ``backend``'s
+    servers; ``run``: bind the agent to an existing run instead of creating one.
     """
     from webapp.gateway.services import inference_server_register
     from webapp.runs.services import run_mark_running
@@ -202,13 +202,15 @@ def make_gateway(
         run=None,
         running: bool = True,
         name: str = "agent",
+        backend: str = "torch",
         **config: Any,
     ) -> Gateway:
-        engine.wait_healthy(timeout=120)
+        if backend == "torch":
+            engine.wait_healthy(timeout=120)
         if run is None:
             run = make_run(project, name=f"{name}-run", base_model=str(model_dir), **config)
             for url in servers if servers is not None else [engine.url]:
-                inference_server_register(run=run, url=url, backend="torch")
+                inference_server_register(run=run, url=url, backend=backend)
             if running:
                 run = run_mark_running(run=run, message="test")
         agent = make_agent(project, name=name, run=run)

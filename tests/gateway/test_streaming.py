@@ -213,6 +213,19 @@ def test_a_supported_sampling_parameter_is_used_and_recorded(gw, param, value):
     assert Interaction.objects.get(pk=completion.id).sampling[param] == value
 
 
+def test_min_tokens_keeps_an_answer_going_past_its_end_of_turn(gw, openai_error):
+    kept = gw.openai().chat.completions.create(
+        model=gw.model, messages=HI, max_tokens=40, temperature=0, extra_body={"min_tokens": 40}
+    )
+    assert kept.choices[0].finish_reason == "length" and kept.usage.completion_tokens == 40
+    assert Interaction.objects.get(pk=kept.id).sampling["min_new_tokens"] == 40
+    too_many = gw.post(
+        "/chat/completions",
+        {"model": gw.model, "messages": HI, "max_tokens": 4, "min_tokens": 5},
+    )
+    assert openai_error(too_many, 400)["param"] == "min_tokens"
+
+
 def test_a_penalty_changes_what_greedy_decoding_repeats(gw):
     body = {"model": gw.model, "messages": HI, "max_tokens": 24, "temperature": 0}
     plain = gw.openai().chat.completions.create(**body)

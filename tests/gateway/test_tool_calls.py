@@ -36,17 +36,21 @@ TOOL_RESULT = '{"temperature_c": 18, "sky": "clear"}'
 
 @pytest.fixture(scope="module")
 def tool_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A copy of the tiny model fine-tuned (SFT, AdamW on CPU) to answer TOOL_MESSAGES with
-    TOOLS by TOOL_CALL_TEXT: a random model never emits a tool call by itself."""
+    return tool_tuned(tiny_model_dir, tmp_path_factory.getbasetemp() / "tiny-model-tools")
+
+
+def tool_tuned(base: Path, out: Path) -> Path:
+    """A copy of ``base`` (a tiny model) at ``out``, fine-tuned (SFT, AdamW on CPU) to answer
+    TOOL_MESSAGES with TOOLS by TOOL_CALL_TEXT: a random model never emits a tool call by
+    itself. Made once per test session (other modules import this)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from rl_core.chat import ChatTokenizer
 
-    out = tmp_path_factory.getbasetemp() / "tiny-model-tools"
-    if (out / "sft-done").exists():  # made by another module of this session (it imports this)
+    if (out / "sft-done").exists():
         return out
-    shutil.copytree(tiny_model_dir, out)
+    shutil.copytree(base, out)
     tok = ChatTokenizer.from_pretrained(out)
     prompt = tok.encode(tok.render(TOOL_MESSAGES, tools=TOOLS))
     ids = torch.tensor([prompt + tok.encode(TOOL_CALL_TEXT)])  # [1, T]

@@ -37,6 +37,7 @@ class ChatRequest:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # SGLang's and vLLM's extension, like top_k
     min_p: float = 0.0  # SGLang's and vLLM's extension, like top_k
+    min_tokens: int = 0  # vLLM's extension (SGLang's min_new_tokens): no stop before this many
 
     @property
     def rendered_tools(self) -> list[dict] | None:
@@ -59,6 +60,7 @@ class ChatRequest:
                 self.frequency_penalty,
                 self.repetition_penalty,
                 self.min_p,
+                self.min_tokens,
             ],
         }
         canonical = json_bytes(payload, sort_keys=True, default=str)
@@ -84,6 +86,8 @@ class ChatRequest:
             params["repetition_penalty"] = self.repetition_penalty
         if self.min_p:
             params["min_p"] = self.min_p
+        if self.min_tokens:
+            params["min_new_tokens"] = self.min_tokens
         return params
 
 
@@ -235,6 +239,12 @@ def parse_chat_request(body: Any) -> ChatRequest:
     top_logprobs = _integer(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS) or 0
     if top_logprobs and not logprobs:
         raise bad_request("'top_logprobs' needs 'logprobs': true.", param="top_logprobs")
+    min_tokens = _integer(body, "min_tokens", 0, 0, 1_000_000) or 0
+    if min_tokens > max_tokens:
+        raise bad_request(
+            f"'min_tokens' ({min_tokens}) cannot exceed max_tokens ({max_tokens}).",
+            param="min_tokens",
+        )
     return ChatRequest(
         messages=messages,
         max_tokens=max_tokens,
@@ -254,6 +264,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         repetition_penalty=_repetition_penalty(body),
         min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
+        min_tokens=min_tokens,
     )
 
 
