@@ -1,17 +1,21 @@
-"""Training runs through the real job path: max_staleness 0 vs 4 in one invocation.
+"""Training runs through the real job path: max_staleness 0 vs 4, or one backend against another.
 
-    .venv/bin/python bench/e2e.py [--steps 30] [--staleness 0,4]
+    .venv/bin/python bench/e2e.py [--steps 30] [--staleness 0,4] [--backends torch]
+        [--task toy|demo] [--model tiny|tiny32] [--json out.json]
 
 Starts a private Steep (fresh DATA_DIR and SQLite database under .steep/bench/,
 uvicorn, a Celery worker with beat, a local Ray head on free ports), then for each
-max_staleness creates a dataset-mode run of the toy task (rl_core.toy, TOY_SETTINGS)
-through the REST API, starts it, and measures while it runs:
+inference backend and max_staleness creates a dataset-mode run of the toy task
+(rl_core.toy, TOY_SETTINGS) or of the demo's (DEMO_SETTINGS, what ``./steep up`` trains)
+through the REST API, starts it, and measures while it runs (``--model tiny32``: the tiny
+model at head size 32, which vLLM's CPU attention needs; the demo's own has 8):
 
 - trajectories trained per second: sessions marked trained ÷ (finished_at − started_at);
 - time per weight update: mean of the job's ``timing/weight_sync`` metric (save → pause
   → update_weights_from_disk → continue);
 - inference utilisation: the torch engine's ``busy_seconds`` (time inside prefill/decode
-  steps, from ``/get_server_info``) over the wall time it was sampled.
+  steps, from ``/get_server_info``) over the wall time it was sampled (not for vLLM);
+- the reward curve: ``rollout/reward`` per step with its wall time since the run started.
 Everything it starts is stopped at the end; results go to stdout (markdown) and --json.
 """
 
@@ -38,9 +42,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--staleness", default="0,4")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--backends", default="torch", help="inference_backend of each run")
+    parser.add_argument("--task", default="toy", choices=("toy", "demo"))
+    parser.add_argument("--model", default="tiny", choices=("tiny", "tiny32"))
     args = parser.parse_args()
     from rl_core.tiny import build_tiny_model
-    from rl_core.toy import TOY_SETTINGS, toy_rows
+    from rl_core.toy import DEMO_SETTINGS, TOY_SETTINGS, demo_rows, toy_rows
+
+    task, rows = (TOY_SETTINGS, toy_rows) if args.task == "toy" else (DEMO_SETTINGS, demo_rows)
+    shape = {"hidden": 64, "heads": 2, "kv_heads": 1} if args.model == "tiny32" else {}
 
     work = ROOT / ".steep" / "bench" / f"e2e-{time.strftime('%Y%m%d-%H%M%S')}"
     data_dir = work / "data"
@@ -57,7 +67,7 @@ def main() -> None:
     with LiveStack(env=env, log_dir=work) as stack:
         stack.manage("migrate", "-v0")
         key = stack.manage("create_api_key", "--project", "bench").strip().splitlines()[-1]
-        model = build_tiny_model(work / "tiny-chat")
+        model = build_tiny_model(work / "tiny-chat", **shape)
         web = stack.start_web(port)
         stack.start_worker(log_level="warning")
         rest = httpx.Client(
@@ -66,14 +76,15 @@ def main() -> None:
             timeout=30,
         )
         stack.wait_ready(web, lambda: _up(rest), what="the web server")
-        body = "".join(json.dumps(row) + "\n" for row in toy_rows(256)).encode()
+        body = "".join(json.dumps(row) + "\n" for row in rows(256)).encode()
         dataset = rest.post(
             "/datasets/", data={"name": "toy"}, files={"file": ("toy.jsonl", body)}
         ).json()
-        for staleness in [int(s) for s in args.staleness.split(",")]:
-            results.append(
-                measure(rest, env, dataset["id"], model, staleness, args.steps, TOY_SETTINGS)
-            )
+        for backend in args.backends.split(","):
+            for staleness in [int(s) for s in args.staleness.split(",")]:
+                results.append(
+                    measure(rest, env, dataset["id"], model, staleness, args.steps, task, backend)
+                )
     print(table(results, args.steps))
     if len(results) == 2 and results[0]["trajectories_per_s"]:
         print(
@@ -90,12 +101,20 @@ def _up(rest: httpx.Client) -> bool:
         return False
 
 
-def measure(rest, env, dataset_id, model, staleness: int, steps: int, toy: dict) -> dict:
-    settings = {**toy, "max_staleness": staleness, "max_steps": steps, "save_every": steps}
+def measure(
+    rest, env, dataset_id, model, staleness: int, steps: int, task: dict, backend: str
+) -> dict:
+    settings = {
+        **task,
+        "max_staleness": staleness,
+        "max_steps": steps,
+        "save_every": steps,
+        "inference_backend": backend,
+    }
     run = rest.post(
         "/runs/",
         json={
-            "name": f"staleness-{staleness}",
+            "name": f"{backend}-staleness-{staleness}",
             "mode": "dataset",
             "base_model": str(model),
             "dataset": dataset_id,
@@ -129,13 +148,22 @@ def measure(rest, env, dataset_id, model, staleness: int, steps: int, toy: dict)
         "/sessions/", params={"run": run["id"], "status": "trained", "page_size": 1}
     ).json()["count"]
     sync = [p["value"] for p in _metric(rest, run["id"], "timing/weight_sync")]
-    rewards = [p["value"] for p in _metric(rest, run["id"], "rollout/reward")]
+    reward_points = sorted(_metric(rest, run["id"], "rollout/reward"), key=lambda p: p["step"])
+    rewards = [p["value"] for p in reward_points]
+    began = datetime.fromisoformat(state["started_at"])
+    curve = [
+        (p["step"], p["value"], (datetime.fromisoformat(p["created_at"]) - began).total_seconds())
+        for p in reward_points
+        if p.get("created_at")
+    ]
     utilisation = (
         (samples[-1][1] - samples[0][1]) / (samples[-1][0] - samples[0][0])
         if len(samples) > 1
         else float("nan")
     )
     return {
+        "backend": backend,
+        "reward_curve": curve,
         "max_staleness": staleness,
         "steps": steps,
         "wall_s": wall,
@@ -169,12 +197,12 @@ def _metric(rest, run_id: str, name: str) -> list[dict]:
 
 def table(results: list[dict], steps: int) -> str:
     lines = [
-        f"| max_staleness | time to {steps} steps (s) | trajectories trained | trajectories/s | time per weight update (s) | inference utilisation | reward first 5 → last 5 |",
-        "|---:|---:|---:|---:|---:|---:|---|",
+        f"| backend | max_staleness | time to {steps} steps (s) | trajectories trained | trajectories/s | time per weight update (s) | inference utilisation | reward first 5 → last 5 |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in results:
         lines.append(
-            f"| {r['max_staleness']} | {r['wall_s']:.1f} | {r['trajectories_trained']} | {r['trajectories_per_s']:.1f} | "
+            f"| {r['backend']} | {r['max_staleness']} | {r['wall_s']:.1f} | {r['trajectories_trained']} | {r['trajectories_per_s']:.1f} | "
             f"{r['weight_update_s']:.3f} | {r['inference_utilisation']:.0%} | {r['reward_first5']:.2f} → {r['reward_last5']:.2f} |"
         )
     return "\n".join(lines)

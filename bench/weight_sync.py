@@ -2,11 +2,14 @@
 
     nice -n 19 .venv/bin/python bench/weight_sync.py [--model tiny|smollm2|PATH] [--updates 5]
         [--strategies stop-the-world,disk,distributed,lora] [--threads 2]
-        [--out .steep/bench/weight_sync.json]
+        [--backend torch|vllm] [--out .steep/bench/weight_sync.json]
 
-For each strategy: one torch-engine server and one ``PPOTrainer`` on the same model; a
-client streams tokens continuously (one long greedy generation after another) while the
-trainer's weights are perturbed and pushed ``--updates`` times.
+For each strategy: one inference server (the torch engine, or vLLM's CPU build with
+``--backend vllm``, float32 both) and one ``PPOTrainer`` on the same model; a client streams
+tokens continuously (one long greedy generation after another) while the trainer's weights
+are perturbed and pushed ``--updates`` times. On vLLM every full-weight strategy is a
+reload from disk inside a pause in place (``rl_core.inference.vllm``): vLLM joins no
+broadcast, so ``distributed`` falls back to it.
 
 Strategies (``STRATEGIES``):
 
@@ -56,6 +59,7 @@ from rl_core.adapter_sync import AdapterSync  # noqa: E402
 from rl_core.config import RunConfig  # noqa: E402
 from rl_core.inference.client import InferenceClient  # noqa: E402
 from rl_core.inference.launch import TorchEngineServer  # noqa: E402
+from rl_core.inference.vllm import VLLMServer, client_for  # noqa: E402
 from rl_core.weight_sync import WeightSync  # noqa: E402
 
 SMOLLM2 = ROOT / ".steep" / "bench" / "models" / "smollm2-135m-instruct"
@@ -64,7 +68,8 @@ LORA_RANK = 8
 
 @dataclass(frozen=True)
 class Strategy:
-    """``make(urls, work_dir)`` → anything with ``push(trainer)``, ``last_timing``, ``aclose()``."""
+    """``make(urls, work_dir, backend)`` → anything with ``push(trainer)``, ``last_timing``,
+    ``aclose()``."""
 
     make: Callable[[list[str], Path], Any]
     lora: bool = False
@@ -72,12 +77,19 @@ class Strategy:
 
 STRATEGIES: dict[str, Strategy] = {
     "stop-the-world": Strategy(
-        lambda urls, d: WeightSync(urls, d, strategy="disk", pause_mode="abort")
+        lambda urls, d, b: WeightSync(urls, d, strategy="disk", pause_mode="abort", backend=b)
     ),
-    "disk": Strategy(lambda urls, d: WeightSync(urls, d, strategy="disk")),
-    "distributed": Strategy(lambda urls, d: WeightSync(urls, d, strategy="distributed")),
-    "lora": Strategy(lambda urls, d: AdapterSync(urls, d, prefix="bench"), lora=True),
+    "disk": Strategy(lambda urls, d, b: WeightSync(urls, d, strategy="disk", backend=b)),
+    "distributed": Strategy(
+        lambda urls, d, b: WeightSync(urls, d, strategy="distributed", backend=b)
+    ),
+    "lora": Strategy(lambda urls, d, b: AdapterSync(urls, d, prefix="bench", backend=b), lora=True),
 }
+
+
+def vllm_threads(threads: int) -> dict[str, str]:
+    """vLLM's CPU build on ``threads`` cores (0..threads-1), as the torch engine's threads."""
+    return {"OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}"}
 
 
 def model_dir(name: str, work: Path) -> Path:
@@ -101,8 +113,11 @@ class TokenClock:
     is CLOCK_MONOTONIC, shared by both processes.
     """
 
-    def __init__(self, url: str, lora_path: Callable[[], str | None] = lambda: None):
+    def __init__(
+        self, url: str, lora_path: Callable[[], str | None] = lambda: None, backend: str = "torch"
+    ):
         self.url = url
+        self.backend = backend
         self.lora_path = lora_path  # read at the start of each generation
         self.times: list[float] = []
         self._task: asyncio.Task | None = None
@@ -110,7 +125,8 @@ class TokenClock:
         self._conn: Any = None
 
     async def _run(self) -> None:
-        async with contextlib.aclosing(_Closing(InferenceClient(self.url))) as holder:
+        client = client_for(self.backend, self.url)
+        async with contextlib.aclosing(_Closing(client)) as holder:
             while True:
                 stream = holder.client.generate_stream(
                     [1, 2, 3, 4],
@@ -130,7 +146,9 @@ class TokenClock:
         ``lora_file`` (the base model while it is empty)."""
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_clock_process, args=(self.url, lora_file, child))
+        self._proc = ctx.Process(
+            target=_clock_process, args=(self.url, lora_file, child, self.backend)
+        )
         self._proc.start()
         self._conn.recv()  # the first token arrived
 
@@ -172,11 +190,11 @@ class _Closing:
         await self.client.aclose()
 
 
-def _clock_process(url: str, lora_file: Path, conn: Any) -> None:
+def _clock_process(url: str, lora_file: Path, conn: Any, backend: str) -> None:
     """A child process: stream until told to stop, then send the token times back."""
 
     async def run() -> list[float]:
-        clock = TokenClock(url, lambda: lora_file.read_text().strip() or None)
+        clock = TokenClock(url, lambda: lora_file.read_text().strip() or None, backend)
         clock.start()
         while not clock.times:
             await asyncio.sleep(0.01)
@@ -209,18 +227,30 @@ async def bench_strategy(name: str, model: Path, args: argparse.Namespace, work:
 
     strategy = STRATEGIES[name]
     lora = {"lora_rank": LORA_RANK} if strategy.lora else {}
-    server = TorchEngineServer(
-        model, host="127.0.0.1", weight_version=0, num_threads=args.threads, **lora
-    )
+    server: Any
+    if args.backend == "vllm":
+        server = VLLMServer(
+            model,
+            host="127.0.0.1",
+            dtype="float32",
+            max_model_len=2048,
+            kv_cache_space_gb=2,
+            env=vllm_threads(args.threads),
+            **lora,
+        )
+    else:
+        server = TorchEngineServer(
+            model, host="127.0.0.1", weight_version=0, num_threads=args.threads, **lora
+        )
     server.start()
     try:
-        server.wait_healthy(timeout=300)
+        server.wait_healthy(timeout=600)
         cfg = RunConfig.from_dict(
             {"base_model": str(model), "reward": {"type": "exact_match"}, **lora}
         )
         trainer = PPOTrainer(cfg, device="cpu")
         where = work / f"weights-{name}"
-        sync = strategy.make([server.url], where)
+        sync = strategy.make([server.url], where, args.backend)
         if strategy.lora:  # stream under an adapter from the start, not the base model
             _perturb(trainer, 1)
             await sync.push(trainer)
@@ -230,7 +260,7 @@ async def bench_strategy(name: str, model: Path, args: argparse.Namespace, work:
             lora_file.write_text(getattr(sync, "current", None) or "")
 
         publish()
-        clock = TokenClock(server.url, lambda: getattr(sync, "current", None))
+        clock = TokenClock(server.url, lambda: getattr(sync, "current", None), args.backend)
         if args.inline_clock:
             clock.start()
         else:
@@ -272,6 +302,7 @@ async def bench_strategy(name: str, model: Path, args: argparse.Namespace, work:
             )
         return {
             "strategy": name,
+            "backend": args.backend,
             "median_token_gap_s": median_gap,
             "tokens_per_s": base_rate,
             "updates": updates,
@@ -312,6 +343,7 @@ def main() -> None:
     parser.add_argument("--updates", type=int, default=5)
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("--threads", type=int, default=2, help="the server's torch threads")
+    parser.add_argument("--backend", default="torch", choices=("torch", "vllm"))
     parser.add_argument("--settle", type=float, default=2.0, help="seconds between pushes")
     parser.add_argument(
         "--inline-clock",
