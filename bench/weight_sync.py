@@ -7,9 +7,9 @@
 For each strategy: one inference server (the torch engine, or vLLM's CPU build with
 ``--backend vllm``, float32 both) and one ``PPOTrainer`` on the same model; a client streams
 tokens continuously (one long greedy generation after another) while the trainer's weights
-are perturbed and pushed ``--updates`` times. On vLLM every full-weight strategy is a
-reload from disk inside a pause in place (``rl_core.inference.vllm``): vLLM joins no
-broadcast, so ``distributed`` falls back to it.
+are perturbed and pushed ``--updates`` times. On vLLM each full-weight update runs inside a
+pause in place: ``disk`` is its ``reload_weights`` of the saved files, ``distributed`` the
+broadcast into Steep's weight-transfer engine in vLLM (``rl_core.inference.vllm_transfer``).
 
 Strategies (``STRATEGIES``):
 

@@ -11,11 +11,16 @@ concurrently, since each broadcast needs every member.
 
 ``disk``: ``save_weights`` to ``weights_dir/v<N>``, then ``POST /update_weights_from_disk``.
 
+vLLM (``rl_core.inference.vllm``) takes both through its own routes: the broadcast into
+Steep's weight-transfer engine in its workers (``rl_core.inference.vllm_transfer``), the disk
+path by its ``reload_weights``; a vLLM without that engine (``weight_broadcast`` false in its
+server info) takes every version from disk, said once as an event.
+
 Stalls. The torch engine receives or loads beside generation and swaps the new weights
 in between two decode steps (``swap_seconds``); requests in flight continue and report
 per-token versions, so the orchestration sends no pause. SGLang would otherwise take its
 model-update write lock, which waits for every in-flight request to finish; so for SGLang
-servers the update is wrapped in ``pause_generation(mode="in_place")`` →
+(and vLLM) servers the update is wrapped in ``pause_generation(mode="in_place")`` →
 update → ``continue_generation`` (requests stay in the batch with their KV cache; the
 update skips the lock while paused; ``flush_cache`` is false, since SGLang refuses to flush
 with requests in the batch). There the stall is the transfer itself (the broadcast, or
@@ -151,13 +156,17 @@ class WeightSync:
             info = await self._bounded(
                 server.client.get_server_info(), f"{server.url}: server_info"
             )
-            torch_engine = str(info.get("version", "")).startswith("steep-torch-engine")
+            version = str(info.get("version", ""))
+            torch_engine = version.startswith("steep-torch-engine")
             device = str(info.get("device") or ("cpu" if torch_engine else "cuda"))
             server.kind = {
                 "torch_engine": torch_engine,
+                # Its group takes Steep's timeout_s (SGLang's own uses its default).
+                "group_timeout": torch_engine or version.startswith("vllm"),
                 "cpu": device.startswith("cpu"),
                 "tp": int(info.get("tp_size") or 1),
-                # False: the server takes no broadcast (vLLM's client): disk for every version.
+                # False: the server takes no broadcast (a vLLM launched without Steep's
+                # weight-transfer engine): disk for every version.
                 "broadcast": bool(info.get("weight_broadcast", True)),
             }
         return server.kind
@@ -406,7 +415,7 @@ class WeightSync:
         )
         posts, offset = [], 1
         for server, kind in zip(servers, kinds, strict=True):
-            extra = {"timeout_s": self.timeout_s} if kind["torch_engine"] else {}
+            extra = {"timeout_s": self.timeout_s} if kind["group_timeout"] else {}
             posts.append(
                 server.client.init_weights_update_group(
                     host, port, offset, world_size, group_name=GROUP_NAME, backend=backend, **extra

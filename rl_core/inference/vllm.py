@@ -26,6 +26,7 @@ fastapi ranges of its own. This module imports neither torch nor vllm.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
@@ -33,12 +34,16 @@ from typing import Any
 
 import httpx
 
-from rl_core.inference.client import InferenceClient, InferenceError, PooledInferenceClient
+from rl_core.inference.client import InferenceClient, PooledInferenceClient
 from rl_core.inference.process import InferenceServer
 from rl_core.inference.protocol import parse_weight_version
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+# Where vLLM finds Steep's weight-transfer engine: its entry point (a dist-info directory
+# on the server's path) and the module it names (rl_core.inference.vllm_transfer).
+PLUGIN_PATH = ROOT / "deploy" / "vllm-plugin"
+TRANSFER_BACKEND = "steep"
 # What the RL routes and runtime LoRA loading need; logprobs of the sampled distribution.
 VLLM_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
 
@@ -127,6 +132,7 @@ class VLLMServer(InferenceServer):
             "--enable-scale-out",  # the token-in/token-out /inference/v1/generate
             "--logprobs-mode", "processed_logprobs",
             "--tensor-parallel-size", str(self.tensor_parallel),
+            "--weight-transfer-config", json.dumps({"backend": TRANSFER_BACKEND}),
         ]  # fmt: skip
         optional = {
             "--dtype": self.dtype,
@@ -149,6 +155,8 @@ class VLLMServer(InferenceServer):
 
     def environment(self) -> dict[str, str]:
         env = {**super().environment(), **VLLM_ENV}
+        paths = (str(ROOT), str(PLUGIN_PATH), env.get("PYTHONPATH", ""))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
         if self.kv_cache_space_gb is not None:  # the CPU build's KV cache, in GiB
             env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_space_gb)
         return env
@@ -316,26 +324,100 @@ class VLLMClient(InferenceClient):
 
     async def get_server_info(self) -> dict[str, Any]:
         """What ``WeightSync`` reads of a server (SGLang's names): ``version``, ``device``,
-        ``tp_size``; and ``weight_broadcast`` false: new weights reach vLLM from disk here."""
+        ``tp_size``; ``weight_broadcast``: whether it runs Steep's weight-transfer engine
+        (``rl_core.inference.vllm_transfer``), so that it can join a weight group."""
         info = (await self._request("GET", "/server_info?config_format=json")).json()
         config = info.get("vllm_config") or {}
         device = str((config.get("device_config") or {}).get("device") or "cpu")
         parallel = config.get("parallel_config") or {}
+        transfer = config.get("weight_transfer_config") or {}
         return {
             "version": f"vllm-{(await self._request('GET', '/version')).json().get('version')}",
             "device": device,
             "tp_size": int(parallel.get("tensor_parallel_size") or 1),
-            "weight_broadcast": False,
+            "weight_broadcast": transfer.get("backend") == TRANSFER_BACKEND,
         }
 
     async def get_model_info(self) -> dict[str, Any]:
         return {"weight_version": str(await self.get_weight_version())}
 
-    async def init_weights_update_group(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        raise InferenceError(
-            "vLLM servers take new weights from disk (POST /collective_rpc reload_weights); "
-            "Steep's broadcast speaks SGLang's weight-group routes, which vLLM does not have"
+    # Steep's weight group through vLLM's weight-transfer routes (its "steep" engine takes
+    # SGLang's fields): init once; per update start, update (pending while the trainer
+    # broadcasts), finish with the version; shut down to leave.
+
+    async def init_weights_update_group(  # type: ignore[override]
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        *,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+        timeout_s: float | None = None,
+    ) -> dict[str, Any]:
+        init = {
+            "master_address": master_address,
+            "master_port": int(master_port),
+            "rank_offset": int(rank_offset),
+            "world_size": int(world_size),
+            "group_name": group_name,
+            "backend": backend,
+        }
+        if timeout_s is not None:
+            init["timeout_s"] = float(timeout_s)
+        await self._request(
+            "POST",
+            "/init_weight_transfer_engine",
+            json_body={"init_info": init},
+            timeout=self._control_timeout,
         )
+        return {"success": True, "message": "joined"}
+
+    async def update_weights_from_distributed(  # type: ignore[override]
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        *,
+        group_name: str = "weight_update_group",
+        weight_version: int | str | None = None,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+        timeout: float | None = None,
+    ) -> dict[str, Any]:
+        """Receive ``names`` by broadcast from rank 0, then serve them as ``weight_version``.
+        Pause the server around it (``in_place``) for a clean cut, as for SGLang."""
+        if abort_all_requests:
+            await self.abort_request(abort_all=True)
+        limit = self._control_timeout if timeout is None else httpx.Timeout(timeout)
+        update = {
+            "names": list(names),
+            "dtype_names": list(dtypes),
+            "shapes": [list(s) for s in shapes],
+        }
+        await self._request("POST", "/start_weight_update", timeout=limit)
+        try:
+            await self._request(
+                "POST", "/update_weights", json_body={"update_info": update}, timeout=limit
+            )
+        finally:  # a half-received update still ends its reload session
+            version = None if weight_version is None else str(weight_version)
+            await self._request(
+                "POST",
+                "/finish_weight_update",
+                json_body={"weight_version": version},
+                timeout=limit,
+            )
+        return {"success": True, "message": f"received {len(names)} tensors"}
+
+    async def destroy_weights_update_group(  # type: ignore[override]
+        self, group_name: str = "weight_update_group"
+    ) -> dict[str, Any]:
+        await self._request(
+            "POST", "/shutdown_weight_transfer_engine", timeout=self._control_timeout
+        )
+        return {"success": True}
 
     async def update_weight_version(self, version: int | str) -> None:
         await self._request(

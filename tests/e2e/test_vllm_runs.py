@@ -1,9 +1,9 @@
 """Training runs on a real vLLM (its CPU build): REST → Celery → Ray job → vLLM + trainer.
 
 A dataset run of full weights and one of LoRA, each with ``inference_backend: vllm``: the
-job starts one vLLM server, every new version reaches it while it keeps serving (from disk
-by ``reload_weights`` for full weights, as an adapter for LoRA), so the versions its answers
-report rise through the run; nothing restarts it. The engine's logprobs agree with the
+job starts one vLLM server, every new version reaches it while it keeps serving (full weights
+broadcast from the trainer over gloo into Steep's weight-transfer engine in vLLM, LoRA as an
+adapter), so the versions its answers report rise through the run; nothing restarts it. The engine's logprobs agree with the
 trainer's recomputation of the same tokens (``rollout/logprob_gap``, within ``GAP_BOUND``).
 Needs ``./steep install --vllm``; CI sets ``STEEP_VLLM_CHECK=required``.
 """
@@ -91,17 +91,23 @@ def check_served_and_trained(final: dict) -> None:
     assert all(point.value < 10 * GAP_BOUND for point in worst), [p.value for p in worst]
 
 
-def test_a_full_weight_run_on_vllm_reloads_each_version_into_the_running_server(
+def test_a_full_weight_run_on_vllm_broadcasts_each_version_into_the_running_server(
     stack, rest, vllm_model
 ):
     from webapp.runs.models import MetricPoint
 
-    final = run_on_vllm(rest, stack, vllm_model)
+    final = run_on_vllm(rest, stack, vllm_model)  # weight_sync: distributed, the default
     check_served_and_trained(final)
-    disk = [e["message"] for e in final["events"] if e["kind"] == "weight_sync"]
-    assert len(disk) == 1 and "takes each version from disk" in disk[0], disk
+    fallbacks = [e["message"] for e in final["events"] if e["kind"] == "weight_sync"]
+    assert fallbacks == []  # every version was broadcast: none fell back to disk
+    from django.conf import settings
+
+    assert not (Path(settings.DATA_DIR) / "runs" / final["id"] / "weights").exists()
     stalls = MetricPoint.objects.filter(run_id=final["id"], name="timing/inference_stall")
     assert stalls.count() == STEPS and all(point.value > 0 for point in stalls)
+    sent = MetricPoint.objects.filter(run_id=final["id"], name="weight_sync/bytes")
+    model_bytes = sum(f.stat().st_size for f in vllm_model.glob("*.safetensors"))
+    assert all(point.value >= model_bytes * 0.9 for point in sent)  # the whole model, each time
 
 
 def test_a_lora_run_on_vllm_serves_each_version_as_an_adapter(stack, rest, vllm_model):
