@@ -409,6 +409,8 @@ class VLLMClient(InferenceClient):
                 json_body={"weight_version": version},
                 timeout=limit,
             )
+        if flush_cache:
+            await self.flush_cache()
         return {"success": True, "message": f"received {len(names)} tensors"}
 
     async def destroy_weights_update_group(  # type: ignore[override]
@@ -447,7 +449,16 @@ class VLLMClient(InferenceClient):
         await self._request("POST", "/collective_rpc", json_body=rpc, timeout=limit)
         if weight_version is not None:
             await self.update_weight_version(weight_version)
+        if flush_cache is not False:
+            await self.flush_cache()
         return {"success": True, "message": f"reloaded {model_path}"}
+
+    async def flush_cache(self) -> bool:
+        """Drop the prefix cache (KV of the old weights); False when vLLM refused because
+        requests hold blocks (in a pause in place: those requests keep their KV, as SGLang's
+        in_place pause keeps its cache)."""
+        answer = await self._request("POST", "/reset_prefix_cache", timeout=self._control_timeout)
+        return bool(answer.json().get("success"))
 
     async def load_lora_adapter(  # type: ignore[override]
         self, lora_name: str, lora_path: str, *, pinned: bool = False
