@@ -81,3 +81,18 @@ def config_dtype(path: str | os.PathLike) -> torch.dtype:
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     return dtype if isinstance(dtype, torch.dtype) else torch.float32
+
+
+def read_safetensors(path: str | os.PathLike, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """Every tensor of the ``*.safetensors`` files in ``path`` (a checkpoint or saved weights)."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in checkpoint {path}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f), device=device))
+    return state

@@ -48,7 +48,7 @@ from rl_core.distributed import (
     shard_model,
 )
 from rl_core.failpoints import failpoint
-from rl_core.hf import TOKENIZER_FILES, config_dtype
+from rl_core.hf import TOKENIZER_FILES, config_dtype, read_safetensors
 from rl_core.loss import LossConfig, ppo_loss
 from rl_core.memory import PeakMemory, enable_activation_checkpointing, resolve_precision
 from rl_core.metrics import PhaseTimer, StatsAccumulator, logprob_gap
@@ -542,13 +542,13 @@ class PPOTrainer:
         self, path: Path, names: list[str]
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         # Rank 0's part of loading a checkpoint into a sharded model.
-        state = lora.read_adapter(self.model, path) if self.lora else _read_weights(path)
+        state = lora.read_adapter(self.model, path) if self.lora else read_safetensors(path)
         extra = _read_trainer_state(path)
         extra["optimizer"] = optimizer_state_by_name(extra["optimizer"], names)
         return state, extra
 
     def _load_weights(self, path: Path) -> None:
-        state = _read_weights(path, str(self.device))
+        state = read_safetensors(path, str(self.device))
         missing, unexpected = self.model.load_state_dict(state, strict=False)
         # Tied weights (e.g. lm_head = embed_tokens) are saved once; anything else missing is an error.
         loaded_ptrs = {t.data_ptr() for k, t in self.model.state_dict().items() if k in state}
@@ -557,18 +557,6 @@ class PPOTrainer:
             raise RuntimeError(
                 f"checkpoint {path} does not match the model: missing {untied}, unexpected {unexpected}"
             )
-
-
-def _read_weights(path: Path, device: str = "cpu") -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in checkpoint {path}")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(f), device=device))
-    return state
 
 
 def _read_trainer_state(path: Path) -> dict[str, Any]:

@@ -25,9 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +46,7 @@ from rl_core.inference.protocol import (
     parse_weight_version,
     token_versions,
 )
+from rl_core.inference.sse import newest_sse_data, sse_events
 from rl_core.inference.updates import UpdateCalls
 
 __all__ = [
@@ -397,7 +397,7 @@ class InferenceClient(UpdateCalls):
                 if response.status_code >= 400:
                     await response.aread()
                     raise _error_for(response, f"POST {path}")
-                async for data in _sse_events(response):
+                async for data in sse_events(response):
                     yield data
         except httpx.TransportError as exc:
             raise InferenceUnavailable(f"POST {self.base_url}{path} (stream): {exc!r}") from exc
@@ -550,7 +550,7 @@ class PooledInferenceClient(InferenceClient):
                         # Each event carries the whole segment so far, so of the events that
                         # arrived together only the newest says anything new: a gateway that
                         # fell behind parses and forwards one event, not all of them.
-                        data = _newest_sse_data(lines)
+                        data = newest_sse_data(lines)
                         if data is not None:
                             final = (data.get("meta_info") or {}).get("finish_reason") is not None
                             yield data
@@ -564,41 +564,3 @@ class PooledInferenceClient(InferenceClient):
     async def aclose(self) -> None:
         await self._pool.close()
         await super().aclose()
-
-
-_DONE = object()
-
-
-def _sse_data(line: bytes) -> Any:
-    """The JSON of one ``data:`` line; ``_DONE`` for ``[DONE]``; None for anything else."""
-    if not line.startswith(b"data:"):
-        return None
-    payload = line[5:].strip()
-    if payload == b"[DONE]":
-        return _DONE
-    data = orjson.loads(payload)
-    if isinstance(data, dict) and "error" in data and "meta_info" not in data:
-        raise InferenceError(f"/generate stream error: {data['error']}", body=data)
-    return data
-
-
-def _newest_sse_data(lines: list[bytes]) -> Any:
-    """The JSON of the last ``data:`` event among ``lines`` (``[DONE]`` aside), or None."""
-    for line in reversed(lines):
-        data = _sse_data(line)
-        if data is not None and data is not _DONE:
-            return data
-    return None
-
-
-async def _sse_events(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
-    async for line in response.aiter_lines():
-        if not line.startswith("data:"):
-            continue
-        payload = line[5:].strip()
-        if payload == "[DONE]":
-            return
-        data = json.loads(payload)
-        if "error" in data and "meta_info" not in data:
-            raise InferenceError(f"/generate stream error: {data['error']}", body=data)
-        yield data
