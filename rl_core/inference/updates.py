@@ -112,16 +112,9 @@ class UpdateCalls:
 
         ``timeout_s`` (torch engine only, not SGLang's protocol): the group's operation timeout.
         """
-        body: dict[str, Any] = {
-            "master_address": master_address,
-            "master_port": int(master_port),
-            "rank_offset": int(rank_offset),
-            "world_size": int(world_size),
-            "group_name": group_name,
-            "backend": backend,
-        }
-        if timeout_s is not None:
-            body["timeout_s"] = timeout_s
+        body = group_fields(
+            master_address, master_port, rank_offset, world_size, group_name, backend, timeout_s
+        )
         return await self._weights_call("/init_weights_update_group", body, None)
 
     async def update_weights_from_distributed(
@@ -156,3 +149,26 @@ class UpdateCalls:
         return await self._weights_call(
             "/destroy_weights_update_group", {"group_name": group_name}, None
         )
+
+
+def group_fields(
+    master_address: str,
+    master_port: int,
+    rank_offset: int,
+    world_size: int,
+    group_name: str,
+    backend: str,
+    timeout_s: float | None,
+) -> dict[str, Any]:
+    """SGLang's ``/init_weights_update_group`` body (also what vLLM's ``steep`` engine takes)."""
+    body: dict[str, Any] = {
+        "master_address": master_address,
+        "master_port": int(master_port),
+        "rank_offset": int(rank_offset),
+        "world_size": int(world_size),
+        "group_name": group_name,
+        "backend": backend,
+    }
+    if timeout_s is not None:
+        body["timeout_s"] = timeout_s
+    return body

@@ -37,6 +37,7 @@ import httpx
 from rl_core.inference.client import InferenceClient, PooledInferenceClient
 from rl_core.inference.process import InferenceServer
 from rl_core.inference.protocol import parse_weight_version
+from rl_core.inference.updates import group_fields
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -356,16 +357,9 @@ class VLLMClient(InferenceClient):
         backend: str = "nccl",
         timeout_s: float | None = None,
     ) -> dict[str, Any]:
-        init = {
-            "master_address": master_address,
-            "master_port": int(master_port),
-            "rank_offset": int(rank_offset),
-            "world_size": int(world_size),
-            "group_name": group_name,
-            "backend": backend,
-        }
-        if timeout_s is not None:
-            init["timeout_s"] = float(timeout_s)
+        init = group_fields(
+            master_address, master_port, rank_offset, world_size, group_name, backend, timeout_s
+        )
         await self._request(
             "POST",
             "/init_weight_transfer_engine",
