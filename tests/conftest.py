@@ -76,15 +76,19 @@ TEST_MODEL_NAMES = ("tiny-llama", "m", "tiny-model", "other-model")
 @pytest.fixture(autouse=True, scope="session")
 def _test_model_roots(tmp_path_factory: pytest.TempPathFactory):
     """The instance's model roots in the tests (``STEEP_MODEL_ROOTS``, rl_core.sources): the
-    data directory's models, a folder of the names above, and the session's temporary folder
-    (where fixtures build their models). Set in the environment too, for the processes the
-    tests start."""
+    data directory's models, a folder of the names above, the session's temporary folder
+    (where fixtures build their models) and the folder of the real models the tests share with
+    the benchmarks (SmolLM2, tests/smollm2.py). Set in the environment too, for the processes
+    the tests start."""
     from django.conf import settings
+
+    from tests.smollm2 import MODEL_DIR
 
     base = tmp_path_factory.getbasetemp()
     for name in TEST_MODEL_NAMES:
         (base / "models" / name).mkdir(parents=True, exist_ok=True)
     roots = [str(Path(settings.DATA_DIR) / "models"), str(base / "models"), str(base)]
+    roots.append(str(MODEL_DIR.parent))
     saved = os.environ.get("STEEP_MODEL_ROOTS"), settings.STEEP_MODEL_ROOTS
     os.environ["STEEP_MODEL_ROOTS"] = ",".join(roots)
     settings.STEEP_MODEL_ROOTS = roots
