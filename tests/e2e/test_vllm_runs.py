@@ -119,3 +119,79 @@ def test_a_lora_run_on_vllm_serves_each_version_as_an_adapter(stack, rest, vllm_
     model_bytes = sum(f.stat().st_size for f in vllm_model.glob("*.safetensors"))
     assert moved.count() == STEPS
     assert all(0 < point.value < model_bytes / 2 for point in moved)  # an adapter, not the model
+
+
+def test_an_online_lora_run_on_a_vllm_pool_trains_while_agents_play(stack, rest, vllm_model):
+    """A shared pool of one vLLM server (an operator's ``pool_create --backend vllm``) serves an
+    online LoRA run: agents play through the gateway with the openai SDK while each new
+    version is loaded into the pool's server as an adapter; the server is the pool's, never
+    restarted, and the versions it answered with rose."""
+    from tests.e2e.test_training_runs import _agents_until_the_run_ends
+    from webapp.gateway.models import Interaction, Session
+    from webapp.pools.models import Pool, PoolServer
+    from webapp.runs.models import MetricPoint
+
+    said = stack.processes.manage(
+        "pool_create", "vllm-pool", "--model", str(vllm_model), "--backend", "vllm",
+        "--max-lora-rank", "8", "--max-loaded-adapters", "4",
+    )  # fmt: skip
+    assert "vllm-pool" in said, said
+    try:
+        pool = wait_for(
+            lambda: Pool.objects.filter(name="vllm-pool", status="running").first(),
+            600,
+            f"the vLLM pool to serve\n{stack.log_tail()}",
+        )
+        (pool_url,) = PoolServer.objects.filter(pool=pool).values_list("url", flat=True)
+        created = rest.post(
+            "/runs/",
+            json={
+                "name": "online lora on a vllm pool",
+                "mode": "online",
+                "base_model": str(vllm_model),
+                "inference_pool": "vllm-pool",
+                "lora_rank": 4,
+                "batch_size": 4,
+                "max_staleness": 2,
+                "max_steps": 3,
+                "learning_rate": 1e-2,
+                "save_every": 3,
+            },
+        )
+        assert created.status_code == 201, created.text
+        run = created.json()
+        agent = rest.post("/agents/", json={"name": "pool agent", "run": run["id"]}).json()
+        assert rest.post(f"/runs/{run['id']}/start/").status_code == 202
+        wait_for(
+            lambda: run_state(rest, run["id"])["status"] == "running",
+            300,
+            f"the run to be running\n{stack.log_tail()}",
+        )
+        seen_versions, ended = _agents_until_the_run_ends(rest, run, agent)
+        wait_for(
+            lambda: run_state(rest, run["id"])["status"] == "completed",
+            300,
+            f"the run to complete\n{stack.log_tail()}",
+        )
+        assert len(seen_versions) > 1, seen_versions  # new adapters answered while agents played
+        # Every turn was served by the pool's one vLLM server.
+        turns = Interaction.objects.filter(session__run_id=run["id"])
+        assert set(turns.values_list("server_url", flat=True)) == {pool_url}
+        assert PoolServer.objects.filter(pool=pool).get().url == pool_url  # not restarted
+        versions = served_versions(run["id"])
+        assert max(versions) >= 1 and versions[-1] >= versions[0], sorted(set(versions))
+        trained = Session.objects.filter(run_id=run["id"], trajectory="trained")
+        assert trained.count() >= 4 and set(ended) >= {str(s.id) for s in trained}
+        moved = MetricPoint.objects.filter(run_id=run["id"], name="weight_sync/bytes")
+        model_bytes = sum(f.stat().st_size for f in vllm_model.glob("*.safetensors"))
+        assert moved.count() == 3 and all(0 < p.value < model_bytes / 2 for p in moved)
+    finally:  # the pool's job stops its vLLM server (the stack's teardown would too, later)
+        from webapp.pools.services import pool_stop
+
+        for pool in Pool.objects.filter(name="vllm-pool").exclude(status="stopped"):
+            pool_stop(pool=pool)
+        wait_for(
+            lambda: Pool.objects.filter(name="vllm-pool", status="stopped").exists(),
+            120,
+            f"the vLLM pool to stop\n{stack.log_tail()}",
+        )
