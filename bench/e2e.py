@@ -67,7 +67,8 @@ def main() -> None:
     with LiveStack(env=env, log_dir=work) as stack:
         stack.manage("migrate", "-v0")
         key = stack.manage("create_api_key", "--project", "bench").strip().splitlines()[-1]
-        model = build_tiny_model(work / "tiny-chat", **shape)
+        # Under the instance's model root (DATA_DIR/models): runs may name only what it offers.
+        model = build_tiny_model(data_dir / "models" / "tiny-chat", **shape)
         web = stack.start_web(port)
         stack.start_worker(log_level="warning")
         rest = httpx.Client(
@@ -111,7 +112,7 @@ def measure(
         "save_every": steps,
         "inference_backend": backend,
     }
-    run = rest.post(
+    created = rest.post(
         "/runs/",
         json={
             "name": f"{backend}-staleness-{staleness}",
@@ -120,7 +121,10 @@ def measure(
             "dataset": dataset_id,
             **settings,
         },
-    ).json()
+    )
+    if created.status_code != 201:
+        raise SystemExit(f"the run was refused: {created.text}")
+    run = created.json()
     rest.post(f"/runs/{run['id']}/start/")
     samples: list[tuple[float, float]] = []  # (time, engine busy_seconds)
     database = Path(env["DATA_DIR"]) / "steep.sqlite3"

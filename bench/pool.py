@@ -1,23 +1,32 @@
 """Shared inference pool vs dedicated engines: N LoRA runs on one engine, or one engine each.
 
-    nice -n 19 .venv/bin/python bench/pool.py [--model tiny|PATH] [--runs 1,2,4] [--clients 4]
-        [--duration 20] [--warmup 3] [--cores 0,1] [--threads 1] [--max-new-tokens 16] [--flood 16]
-        [--flood-batch 16] [--profile] [--out .steep/bench/pool.json]
+    nice -n 19 .venv/bin/python bench/pool.py [--backend torch|vllm] [--model tiny|tiny32|PATH]
+        [--runs 1,2,4] [--clients 4] [--duration 20] [--warmup 3] [--cores 0,1] [--threads 1]
+        [--max-new-tokens 16] [--flood 16] [--flood-batch 16] [--profile]
+        [--out .steep/bench/pool.json]
 
 A "run" here is what a LoRA run puts on its inference servers: one adapter (rank 8, random
 B, saved in peft's format: what a training step publishes) and ``--clients`` agents, each
 asking for one ``--max-new-tokens`` sampled trajectory after another under that adapter
-(SGLang's ``/generate`` with ``lora_path``). For each N in ``--runs``:
+(SGLang's ``/generate`` with ``lora_path``; vLLM's ``/inference/v1/generate`` with the
+adapter's name as ``model``). For each N in ``--runs``:
 
-``shared``     one torch engine with every run's adapter loaded (``--max-loras-per-batch``
-               N): the pool; its requests of all runs share one running batch.
-``dedicated``  N torch engines, one per run, each serving only its run's adapter: what each
-               run starting its own servers gives today.
+``shared``     one engine with every run's adapter loaded (``--max-loras-per-batch`` N, vLLM's
+               ``--max-loras`` N): the pool; its requests of all runs share one running batch.
+``dedicated``  N engines, one per run, each serving only its run's adapter: what each run
+               starting its own servers gives today.
+
+``--backend`` picks the engine: Steep's torch engine (default) or vLLM's CPU build (from
+``.venv-vllm``, ``./steep install --vllm``; float32, a 1 GiB KV cache per server, each
+server's OpenMP threads left unbound so N of them share ``--cores`` as the torch engines do).
+vLLM's CPU attention needs a head size of 32 or more: ``--model tiny32`` is the tiny model
+at that head size.
 
 Both get the same cores: the bench pins itself (and so every engine it starts) to
 ``--cores``; every engine runs ``--threads`` torch threads (default 1: on a shared, busy
 machine two threads per engine spin against each other and an engine crawls), so the N
-dedicated engines have N times the shared engine's threads. Reported per cell: aggregate trajectories/s over
+dedicated engines have N times the shared engine's threads, unless ``--shared-threads``
+gives the shared one more (e.g. the number of cores). Reported per cell: aggregate trajectories/s over
 ``--duration`` s after ``--warmup`` s, fairness = min/max of the runs' trajectories, the
 engines' summed resident memory (RSS, MiB), and the p50 latency of a trajectory.
 
@@ -34,6 +43,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -44,8 +54,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rl_core.inference.client import InferenceClient  # noqa: E402
 from rl_core.inference.launch import TorchEngineServer  # noqa: E402
+from rl_core.inference.vllm import VLLMServer, client_for  # noqa: E402
 
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]  # "Hello, world"
 
@@ -87,11 +97,16 @@ def preset(name: str, vocab: int, work: Path) -> Path:
 
 
 def rss_mib(pid: int) -> float:
-    """Resident memory of the engine process ``pid`` (Linux ``/proc``), MiB."""
+    """Resident memory of the engine process ``pid`` and its children (vLLM runs its model in
+    a child, EngineCore), MiB (Linux ``/proc``)."""
+    total = 0.0
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+            total += int(line.split()[1]) / 1024
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            total += rss_mib(int(child))
+    return total
 
 
 def gpu_mib(pids: list[int]) -> float:
@@ -104,11 +119,28 @@ def gpu_mib(pids: list[int]) -> float:
     return sum(used.get(pid, 0.0) for pid in pids)
 
 
-def engine(args, model: Path, n_adapters: int, logs: Path, name: str, batch: int = 64):
+def engine(
+    args, model: Path, n_adapters: int, logs: Path, name: str, batch: int = 64, threads: int = 0
+):
+    threads = threads or args.threads
+    if args.backend == "vllm":
+        return VLLMServer(
+            model,
+            host="127.0.0.1",
+            dtype=args.dtype,
+            max_model_len=1024,
+            max_num_seqs=batch,
+            kv_cache_space_gb=1,
+            lora_rank=8,
+            max_loras_per_batch=max(1, n_adapters),
+            max_loaded_loras=max(1, n_adapters),
+            log_path=logs / f"{name}.log",
+            env={"OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": "nobind"},
+        )
     return TorchEngineServer(
         model,
         host="127.0.0.1",
-        num_threads=args.threads,
+        num_threads=threads,
         dtype=args.dtype,
         device=args.device,
         lora_rank=8,
@@ -120,11 +152,15 @@ def engine(args, model: Path, n_adapters: int, logs: Path, name: str, batch: int
 
 
 async def drive(
-    targets: list[tuple[str, str, int]], duration: float, warmup: float, max_new: int
+    targets: list[tuple[str, str, int]],
+    duration: float,
+    warmup: float,
+    max_new: int,
+    backend: str = "torch",
 ) -> dict[str, list[float]]:
     """``targets``: (run name, server url, clients). Each client loops one trajectory after
     another under the run's adapter; per run, the latencies of those that finished in the window."""
-    clients = {url: InferenceClient(url) for _, url, _ in targets}
+    clients = {url: client_for(backend, url) for _, url, _ in targets}
     latencies: dict[str, list[float]] = {run: [] for run, _, _ in targets}
     start = time.perf_counter()
     window = (start + warmup, start + warmup + duration)
@@ -152,16 +188,20 @@ async def drive(
     return latencies
 
 
-async def load(url: str, adapters: dict[str, Path]) -> None:
-    async with InferenceClient(url) as client:
+async def load(url: str, adapters: dict[str, Path], backend: str = "torch") -> None:
+    """Load each adapter and answer one request under it, so that no engine's first-use
+    work (vLLM compiles its LoRA kernels on the first batch that uses one) lands in a window."""
+    async with client_for(backend, url) as client:
         for name, path in adapters.items():
             await client.load_lora_adapter(name, str(path))
+            await client.generate(PROMPT, {"max_new_tokens": 4, "ignore_eos": True}, lora_path=name)
 
 
 def cell(kind: str, n: int, args, model: Path, adapters: list[Path], logs: Path) -> dict:
     runs = {f"run{i}": adapters[i] for i in range(n)}
     if kind == "shared":
-        servers = [engine(args, model, n, logs, f"shared-{n}", args.batch)]
+        threads = args.shared_threads or args.threads
+        servers = [engine(args, model, n, logs, f"shared-{n}", args.batch, threads)]
         placement = {run: 0 for run in runs}
     else:
         servers = [engine(args, model, 1, logs, f"ded-{n}-{i}", args.batch) for i in range(n)]
@@ -170,11 +210,13 @@ def cell(kind: str, n: int, args, model: Path, adapters: list[Path], logs: Path)
         server.start()
     try:
         for server in servers:
-            server.wait_healthy(timeout=300)
+            server.wait_healthy(timeout=900)
         for run, index in placement.items():
-            asyncio.run(load(servers[index].url, {run: runs[run]}))
+            asyncio.run(load(servers[index].url, {run: runs[run]}, args.backend))
         targets = [(run, servers[index].url, args.clients) for run, index in placement.items()]
-        latencies = asyncio.run(drive(targets, args.duration, args.warmup, args.max_new_tokens))
+        latencies = asyncio.run(
+            drive(targets, args.duration, args.warmup, args.max_new_tokens, args.backend)
+        )
         memory = sum(rss_mib(server.process.pid) for server in servers)
         gpu = gpu_mib([server.process.pid for server in servers]) if args.device != "cpu" else 0
     finally:
@@ -214,10 +256,16 @@ def flood(args, model: Path, adapters: list[Path], logs: Path) -> dict:
     server = engine(args, model, 2, logs, "flood", batch=args.flood_batch)
     server.start()
     try:
-        server.wait_healthy(timeout=300)
-        asyncio.run(load(server.url, {"run0": adapters[0], "run1": adapters[1]}))
+        server.wait_healthy(timeout=900)
+        asyncio.run(load(server.url, {"run0": adapters[0], "run1": adapters[1]}, args.backend))
         alone = asyncio.run(
-            drive([("run0", server.url, 1)], args.duration, args.warmup, args.max_new_tokens)
+            drive(
+                [("run0", server.url, 1)],
+                args.duration,
+                args.warmup,
+                args.max_new_tokens,
+                args.backend,
+            )
         )
         spy = profiler(server.process.pid, args) if args.profile else None
         both = asyncio.run(
@@ -226,6 +274,7 @@ def flood(args, model: Path, adapters: list[Path], logs: Path) -> dict:
                 args.duration,
                 args.warmup,
                 args.max_new_tokens,
+                args.backend,
             )
         )
         if spy is not None:
@@ -247,9 +296,12 @@ def flood(args, model: Path, adapters: list[Path], logs: Path) -> dict:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
+        "--backend", default="torch", choices=("torch", "vllm"), help="the engines to compare"
+    )
+    parser.add_argument(
         "--model",
         default="tiny",
-        help="tiny (rl_core.tiny), a preset of bench/train_step.py (random weights, e.g. "
+        help="tiny (rl_core.tiny), tiny32 (the same at head size 32, for vLLM), a preset of bench/train_step.py (random weights, e.g. "
         "qwen2-0.5b), or a model dir",
     )
     parser.add_argument(
@@ -273,6 +325,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=float, default=3.0)
     parser.add_argument("--cores", default="0,1", help="CPU cores every engine shares (0-15)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per engine")
+    parser.add_argument(
+        "--shared-threads",
+        type=int,
+        default=0,
+        help="threads of the shared engine (0: --threads); the cores' count gives the one "
+        "engine what the N dedicated ones have together",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--flood", type=int, default=16, help="0 skips the fair-share check")
     parser.add_argument(
@@ -291,11 +350,17 @@ def main(argv: list[str] | None = None) -> None:
         for c in range(int(part.split("-")[0]), int(part.split("-")[-1]) + 1)
     ]
     os.sched_setaffinity(0, args.cores)  # every engine started from here inherits it
+    # A SIGTERM unwinds through the cells' ``finally``, which stop the engines they started.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     work = Path(tempfile.mkdtemp(prefix="steep-bench-pool-"))
     if args.model == "tiny":
         from rl_core.tiny import build_tiny_model
 
         model = build_tiny_model(work / "tiny")
+    elif args.model == "tiny32":
+        from rl_core.tiny import build_tiny_model
+
+        model = build_tiny_model(work / "tiny32", hidden=64, heads=2, kv_heads=1)
     elif not Path(args.model).is_dir():
         model = preset(args.model, args.vocab, work)
     else:

