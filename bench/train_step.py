@@ -11,7 +11,9 @@ Cases (each in a fresh process, so peak memory and allocator state are its own):
   build's trainer trains every weight anyway);
 - 1 vs 2 workers: two gloo processes (``torch.multiprocessing``), each a
   ``PPOTrainer`` with ``torch.distributed`` initialised, on the same batch (each
-  trains its half of the sequences), each with ``--threads`` torch threads.
+  trains its half of the sequences), each with ``--threads`` torch threads;
+- logprobs from the model's whole ``[T, V]`` logits (``:logits``, the trainer's path before
+  issue 35) vs from its hidden states in chunks (``rl_core.head``, the default).
 
 Every case trains one micro-batch of ``T`` tokens (``micro_batch_tokens = T``,
 one minibatch): sequence lengths are drawn from a lognormal (median ``--median``,
@@ -20,7 +22,8 @@ A step is: proximal logprobs (forward, no grad) + forward/backward + AdamW step.
 
 Models are built from a config with random weights (no hub): ``small`` (a 4-layer
 Llama, seconds per step on 2 CPU cores), ``qwen2-0.5b`` and ``qwen2-1.5b`` (the real
-Qwen2 sizes, for a GPU). Needs only torch, transformers (and peft for LoRA): no Ray,
+Qwen2 sizes, for a GPU); ``smollm2`` is SmolLM2-135M-Instruct itself (tests/smollm2.py,
+``./steep install --dev``; vocabulary 49,152). Needs only torch, transformers (and peft for LoRA): no Ray,
 no web app.
 
 Time: ``step s`` is the fastest timed step's wall time (``perf/step_s``); ``CPU s`` its
@@ -91,7 +94,7 @@ MODELS: dict[str, dict[str, Any]] = {
     },
 }
 
-# attention:precision[:ckpt][:lora][:w2]
+# attention:precision[:ckpt][:lora][:w2][:logits]
 DEFAULT_CASES = (
     "dense:fp32,packed:fp32,packed:bf16,packed:fp32:ckpt,packed:fp32:lora,packed:fp32:w2"
 )
@@ -105,6 +108,7 @@ class Case:
     checkpointing: bool = False
     lora_rank: int = 0
     workers: int = 1
+    full_logits: bool = False  # logprobs from the whole [T, V] logits (before issue 35)
 
     @property
     def name(self) -> str:
@@ -112,6 +116,7 @@ class Case:
         parts += ["ckpt"] if self.checkpointing else []
         parts += [f"lora{self.lora_rank}"] if self.lora_rank else ["full"]
         parts += [f"{self.workers} workers"] if self.workers > 1 else []
+        parts += ["T x V logits"] if self.full_logits else []
         return " ".join(parts)
 
 
@@ -121,9 +126,11 @@ def parse_cases(spec: str, tokens: list[int], lora_rank: int) -> list[Case]:
         attention, precision, *flags = item.strip().split(":")
         if attention not in ("dense", "packed") or precision not in ("fp32", "bf16"):
             raise SystemExit(f"bad case {item!r}: attention dense|packed, precision fp32|bf16")
-        unknown = set(flags) - {"ckpt", "lora", "w2"}
+        unknown = set(flags) - {"ckpt", "lora", "w2", "logits"}
         if unknown:
-            raise SystemExit(f"bad case flags {sorted(unknown)} in {item!r}: use ckpt, lora, w2")
+            raise SystemExit(
+                f"bad case flags {sorted(unknown)} in {item!r}: use ckpt, lora, w2, logits"
+            )
         for t in tokens:
             cases.append(
                 Case(
@@ -133,6 +140,7 @@ def parse_cases(spec: str, tokens: list[int], lora_rank: int) -> list[Case]:
                     checkpointing="ckpt" in flags,
                     lora_rank=lora_rank if "lora" in flags else 0,
                     workers=2 if "w2" in flags else 1,
+                    full_logits="logits" in flags,
                 )
             )
     return cases
@@ -145,6 +153,10 @@ def build_model(name: str, root: Path) -> Path:
 
     from rl_core.tiny import TINY_VOCAB_SIZE, build_tiny_model
 
+    if name == "smollm2":
+        from tests.smollm2 import prepare_smollm2
+
+        return prepare_smollm2()
     path = root / name
     if (path / "config.json").exists():
         return path
@@ -232,6 +244,13 @@ def run_case(case: Case, args: argparse.Namespace, model_dir: str, rank: int = 0
 
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    if case.full_logits:
+        import functools
+
+        import rl_core.trainer
+        from rl_core.packing import packed_logprobs
+
+        rl_core.trainer.packed_logprobs = functools.partial(packed_logprobs, from_hidden=False)
     cfg: dict[str, Any] = {
         "base_model": model_dir,
         "mode": "online",
@@ -440,13 +459,15 @@ def verdicts(rows: list[dict]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", choices=sorted(MODELS), default="small")
+    parser.add_argument("--model", choices=[*sorted(MODELS), "smollm2"], default="small")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument(
         "--tokens", default="2048,8192", help="micro-batch sizes T, comma-separated"
     )
     parser.add_argument(
-        "--cases", default=DEFAULT_CASES, help="attention:precision[:ckpt][:lora][:w2],..."
+        "--cases",
+        default=DEFAULT_CASES,
+        help="attention:precision[:ckpt][:lora][:w2][:logits],...",
     )
     parser.add_argument(
         "--lora-rank", type=int, default=8, help="RunConfig.lora_rank of :lora cases"

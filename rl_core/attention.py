@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 PACKED_ATTENTION = "steep_packed"
 PACKED_IMPLEMENTATIONS = (PACKED_ATTENTION, "flash_attention_2", "flash_attention_3")
+SEQ_LENGTHS = "steep_seq_lengths"  # forward kwarg: the packed sequences' lengths, Python ints
 
 _registered = False
 
@@ -54,20 +55,28 @@ def packed_attention_implementation(device: torch.device) -> str:
     return register_packed_attention()
 
 
-def packed_attention_kwargs(cu_seqlens: torch.Tensor) -> dict[str, Any]:
+def packed_attention_kwargs(
+    cu_seqlens: torch.Tensor, lengths: list[int] | None = None
+) -> dict[str, Any]:
     """Forward kwargs that tell a packed-attention model where sequences start and end.
 
     ``cu_seqlens`` ``[S + 1]`` (int32, starting at 0) on the model's device. The names are
     transformers' ``FlashAttentionKwargs``, which its flash path reads as they are.
+    ``lengths``: the same boundaries as Python ints, when the caller has them
+    (``PackedBatch.lengths``): then nothing here or in the layers reads a device tensor
+    back to the host, and a model of fake tensors (``rl_core.memory_plan``) can run.
     """
     cu = cu_seqlens.to(torch.int32)
-    max_len = int((cu[1:] - cu[:-1]).max().item())
-    return {
+    max_len = max(lengths) if lengths else int((cu[1:] - cu[:-1]).max().item())
+    kwargs: dict[str, Any] = {
         "cu_seq_lens_q": cu,
         "cu_seq_lens_k": cu,
         "max_length_q": max_len,
         "max_length_k": max_len,
     }
+    if lengths:
+        kwargs[SEQ_LENGTHS] = list(lengths)
+    return kwargs
 
 
 def packed_attention_forward(
@@ -104,8 +113,10 @@ def packed_attention_forward(
     if groups > 1:  # grouped-query attention: every query head gets its key/value head
         key = key.repeat_interleave(groups, dim=1)  # [1, H, T, D]
         value = value.repeat_interleave(groups, dim=1)  # [1, H, T, D]
-    bounds = cu.tolist()
-    lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:], strict=True)]
+    lengths = kwargs.get(SEQ_LENGTHS)
+    if lengths is None:
+        bounds = cu.tolist()
+        lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:], strict=True)]
     # split, not one slice per sequence: the backward of S slices would add S zero-padded
     # full-length gradients (O(S * T)); split's backward is one concatenation.
     outs = [

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rl_core.attention import PACKED_IMPLEMENTATIONS, packed_attention_kwargs
+from rl_core.head import chunked_scores, hidden_states_out, output_head
 from rl_core.types import Trajectory
 
 
@@ -42,6 +43,9 @@ class PackedBatch:
     # [T] float: the temperature each token's behaviour logprob was taken at
     # (rl_core.sampling); None when every token's is 1.0, which skips the division.
     temperatures: torch.Tensor | None = None
+    # The sequences' lengths as Python ints (``cu_seqlens`` on the host): attention reads its
+    # boundaries from them without a device-to-host copy in every layer.
+    lengths: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -58,6 +62,7 @@ class PackedBatch:
             indices=self.indices,
             extra={k: v.to(device) for k, v in self.extra.items()},
             temperatures=None if self.temperatures is None else self.temperatures.to(device),
+            lengths=self.lengths,
         )
 
 
@@ -99,6 +104,7 @@ def pack(
             for name, vals in (extra or {}).items()
         },
         temperatures=temperatures,
+        lengths=lengths.tolist(),
     )
 
 
@@ -147,6 +153,7 @@ def packed_logprobs(
     with_entropy: bool = False,
     entropy_grad: bool = True,
     chunk_tokens: int = 1024,
+    from_hidden: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprob of each token given its sequence's prefix, from a HF causal LM: ``(logprobs [T], entropy [T] | None)``.
 
@@ -160,19 +167,44 @@ def packed_logprobs(
     ``rl_core.sampling``), or ``temperature`` for every token when given. The division
     is per chunk, like a single temperature's: per-token temperatures cost no extra
     ``[T, V]`` tensor, and a batch at temperature 1 skips it.
+
+    ``from_hidden`` (the default): the model's forward stops at its last hidden states and
+    the scores are taken ``chunk_tokens`` rows at a time against its output projection, each
+    chunk's logits recomputed in the backward (``rl_core.head``): no ``[T, V]`` tensor is made
+    or kept. False (or a model whose logits are not a plain projection): the model's own
+    ``[T, V]`` logits, scored chunk by chunk (what the benchmarks call "today").
     """
     ids, pos = batch.input_ids, batch.position_ids  # [1, T], [1, T]
     kwargs: dict = {"position_ids": pos, "use_cache": False}
     if getattr(model.config, "_attn_implementation", None) in PACKED_IMPLEMENTATIONS:
-        kwargs.update(packed_attention_kwargs(batch.cu_seqlens))
+        kwargs.update(packed_attention_kwargs(batch.cu_seqlens, batch.lengths))
     else:
         kwargs["attention_mask"] = block_causal_mask(
             batch.cu_seqlens, next(model.parameters()).dtype
         )
-    logits = model(input_ids=ids, **kwargs).logits[0, :-1]  # [T-1, V]: row t predicts token t+1
     targets = ids[0, 1:]  # [T-1]
     temps = None if temperature is not None or batch.temperatures is None else batch.temperatures
     scale = temps[1:, None] if temps is not None else temperature  # [T-1, 1] | float | None
+    place = output_head(model) if from_hidden else None
+    if place is not None:
+        with hidden_states_out(model, place):
+            hidden = model(input_ids=ids, **kwargs).logits[0, :-1]  # [T-1, H]: row t → token t+1
+        scores = chunked_scores(
+            place[2],
+            hidden,
+            targets,
+            scale,
+            with_entropy=with_entropy,
+            entropy_grad=entropy_grad,
+            chunk_tokens=chunk_tokens,
+        )
+        lps, ents = [], []
+        for logprobs, entropy in scores:
+            lps.append(logprobs)  # [C]
+            if entropy is not None:
+                ents.append(entropy)  # [C]
+        return _per_token(batch, lps, ents, with_entropy)
+    logits = model(input_ids=ids, **kwargs).logits[0, :-1]  # [T-1, V]: row t predicts token t+1
     lps, ents = [], []
     # Chunked so that, without grad (proximal/reference passes), no float32 copy of all
     # T x V logits is ever alive at once; with grad, autograd keeps each chunk anyway.
@@ -187,9 +219,15 @@ def packed_logprobs(
         if with_entropy:
             src, src_lse = (lg, lse) if entropy_grad else (lg.detach(), lse.detach())
             ents.append(src_lse - (torch.softmax(src, dim=-1) * src).sum(-1))  # [C]
-    starts = batch.cu_seqlens[:-1].long()  # [S]
-    zero = logits.new_zeros(1, dtype=torch.float32)
-    logprobs = torch.cat([zero, *lps])  # [T]
-    logprobs = logprobs.index_fill(0, starts, 0.0)  # first tokens have no prediction
+    return _per_token(batch, lps, ents, with_entropy)
+
+
+def _per_token(
+    batch: PackedBatch, lps: list[torch.Tensor], ents: list[torch.Tensor], with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The chunks' scores as ``[T]`` tensors, 0 at each sequence's first token."""
+    starts = batch.cu_seqlens[:-1].long().to(batch.logprobs.device)  # [S]
+    zero = batch.logprobs.new_zeros(1)
+    logprobs = torch.cat([zero, *lps]).index_fill(0, starts, 0.0)  # [T]
     entropy = torch.cat([zero, *ents]).index_fill(0, starts, 0.0) if with_entropy else None  # [T]
     return logprobs, entropy
