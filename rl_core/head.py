@@ -36,8 +36,9 @@ def output_head(model: torch.nn.Module) -> tuple[torch.nn.Module, str, torch.nn.
     config = getattr(model, "config", None)
     if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
         return None
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if head is None:
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if not isinstance(head, torch.nn.Module):
         return None
     for module in model.modules():
         for attribute, child in module.named_children():
