@@ -71,15 +71,18 @@ def _layer_classes(model: torch.nn.Module) -> set[str]:
     return names
 
 
-def shard_model(model: torch.nn.Module, *, param_dtype: torch.dtype | None = None) -> None:
+def shard_model(
+    model: torch.nn.Module, *, param_dtype: torch.dtype | None = None, mesh: Any = None
+) -> None:
     """``fully_shard`` each decoder layer, then the root (in place; parameters become DTensors).
 
     ``param_dtype`` (e.g. ``torch.bfloat16``): compute dtype of forward and backward, with
     float32 sharded parameters and gradient reduction. Build the optimizer afterwards.
+    ``mesh``: the device mesh to shard over (default: every rank of the default group).
     """
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = {} if mesh is None else {"mesh": mesh}
     if param_dtype is not None and param_dtype != torch.float32:
         kwargs["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=param_dtype, reduce_dtype=torch.float32
