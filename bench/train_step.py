@@ -61,6 +61,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from rl_core.memory_plan import QWEN2  # noqa: E402
+
 MODELS: dict[str, dict[str, Any]] = {
     "small": {
         "arch": "llama",
@@ -82,16 +84,7 @@ MODELS: dict[str, dict[str, Any]] = {
         "vocab_size": 151936,
         "tie_word_embeddings": True,
     },
-    "qwen2-1.5b": {
-        "arch": "qwen2",
-        "hidden_size": 1536,
-        "intermediate_size": 8960,
-        "num_hidden_layers": 28,
-        "num_attention_heads": 12,
-        "num_key_value_heads": 2,
-        "vocab_size": 151936,
-        "tie_word_embeddings": True,
-    },
+    "qwen2-1.5b": {"arch": "qwen2", **QWEN2["1.5b"]},  # the memory plans' shape
 }
 
 # attention:precision[:ckpt][:lora][:w2][:logits]

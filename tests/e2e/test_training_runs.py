@@ -341,13 +341,13 @@ def _pids_whose_command_has(fragment: str) -> list[int]:
     return pids
 
 
-def test_an_online_lora_run_serves_each_version_as_an_adapter_without_pausing(stack, rest):
-    from webapp.runs.models import MetricPoint, RunEvent
-
+def online_lora_run_played(rest, stack, name: str, **settings) -> tuple[dict, set[int], list[str]]:
+    """An online LoRA run of 3 steps (batch 4, ``settings`` on top) created, started and
+    played by agents until it stops running: (the run, the versions served, the sessions ended)."""
     created = rest.post(
         "/runs/",
         json={
-            "name": "online lora",
+            "name": name,
             "mode": "online",
             "base_model": str(stack.model_dir),
             "batch_size": 4,
@@ -356,18 +356,26 @@ def test_an_online_lora_run_serves_each_version_as_an_adapter_without_pausing(st
             "learning_rate": 1e-2,
             "lora_rank": 4,
             "save_every": 3,
+            **settings,
         },
     )
     assert created.status_code == 201, created.text
     run = created.json()
-    agent = rest.post("/agents/", json={"name": "lora agent", "run": run["id"]}).json()
+    agent = rest.post("/agents/", json={"name": f"{name} agent", "run": run["id"]}).json()
     assert rest.post(f"/runs/{run['id']}/start/").status_code == 202
     wait_for(
         lambda: run_state(rest, run["id"])["status"] == "running",
-        180,
+        300,
         f"the run to be running\n{stack.log_tail()}",
     )
-    seen_versions, _ = _agents_until_the_run_ends(rest, run, agent)
+    seen_versions, ended = _agents_until_the_run_ends(rest, run, agent)
+    return run, seen_versions, ended
+
+
+def test_an_online_lora_run_serves_each_version_as_an_adapter_without_pausing(stack, rest):
+    from webapp.runs.models import MetricPoint, RunEvent
+
+    run, seen_versions, _ = online_lora_run_played(rest, stack, "online lora")
     wait_for(
         lambda: run_state(rest, run["id"])["status"] == "completed",
         240,

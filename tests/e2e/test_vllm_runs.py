@@ -126,7 +126,7 @@ def test_an_online_lora_run_on_a_vllm_pool_trains_while_agents_play(stack, rest,
     online LoRA run: agents play through the gateway with the openai SDK while each new
     version is loaded into the pool's server as an adapter; the server is the pool's, never
     restarted, and the versions it answered with rose."""
-    from tests.e2e.test_training_runs import _agents_until_the_run_ends
+    from tests.e2e.test_training_runs import online_lora_run_played
     from webapp.gateway.models import Interaction, Session
     from webapp.pools.models import Pool, PoolServer
     from webapp.runs.models import MetricPoint
@@ -143,31 +143,13 @@ def test_an_online_lora_run_on_a_vllm_pool_trains_while_agents_play(stack, rest,
             f"the vLLM pool to serve\n{stack.log_tail()}",
         )
         (pool_url,) = PoolServer.objects.filter(pool=pool).values_list("url", flat=True)
-        created = rest.post(
-            "/runs/",
-            json={
-                "name": "online lora on a vllm pool",
-                "mode": "online",
-                "base_model": str(vllm_model),
-                "inference_pool": "vllm-pool",
-                "lora_rank": 4,
-                "batch_size": 4,
-                "max_staleness": 2,
-                "max_steps": 3,
-                "learning_rate": 1e-2,
-                "save_every": 3,
-            },
+        run, seen_versions, ended = online_lora_run_played(
+            rest,
+            stack,
+            "online lora on a vllm pool",
+            base_model=str(vllm_model),
+            inference_pool="vllm-pool",
         )
-        assert created.status_code == 201, created.text
-        run = created.json()
-        agent = rest.post("/agents/", json={"name": "pool agent", "run": run["id"]}).json()
-        assert rest.post(f"/runs/{run['id']}/start/").status_code == 202
-        wait_for(
-            lambda: run_state(rest, run["id"])["status"] == "running",
-            300,
-            f"the run to be running\n{stack.log_tail()}",
-        )
-        seen_versions, ended = _agents_until_the_run_ends(rest, run, agent)
         wait_for(
             lambda: run_state(rest, run["id"])["status"] == "completed",
             300,
