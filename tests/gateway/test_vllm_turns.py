@@ -10,9 +10,12 @@ back as OpenAI tool_calls; a client that leaves a stream aborts vLLM's request. 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +39,11 @@ if not vllm_available():
 VERSION = 3  # what the server reports from the start: a version 0 would prove nothing
 TOLERANCE = 2e-3  # float32 on both sides; vLLM's CPU kernels sum in another order
 STORY = [{"role": "user", "content": "Tell me a long story."}]
-LONG = 600  # tokens: a stream that runs while the test acts on it
+# tokens: a stream that runs while the test acts on it. 600 and then 1,500 were too few: the
+# tiny model on vLLM writes ~900 tokens a second, and on a loaded machine vLLM's API server
+# sent the first event 1.7 s after the request, when the engine had written them all (both
+# vLLM tests below failed that way). 4,000 (~4.5 s) is within the gateway's max_tokens cap.
+LONG = 4000
 
 
 @pytest.fixture(scope="module")
@@ -45,29 +52,41 @@ def vllm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from rl_core.tiny import build_tiny_model
 
     root = tmp_path_factory.getbasetemp()
-    base = build_tiny_model(root / "tiny-vllm", hidden=64, heads=2, kv_heads=1)
-    return tool_tuned(base, root / "tiny-vllm-tools")
+    base = build_tiny_model(
+        root / "tiny-vllm-8k", hidden=64, heads=2, kv_heads=1, max_positions=LONG + 512
+    )
+    return tool_tuned(base, root / "tiny-vllm-8k-tools")
 
 
-@pytest.fixture(scope="module")
-def vllm(vllm_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+@contextlib.contextmanager
+def vllm_serving(
+    model: Path, logs: Path, version: int, max_model_len: int = 2048
+) -> Iterator[VLLMServer]:
+    """A vLLM server of ``model`` (float32, one thread) reporting weight version ``version``."""
     server = VLLMServer(
-        vllm_model,
+        model,
         dtype="float32",
-        max_model_len=2048,
+        max_model_len=max_model_len,
         kv_cache_space_gb=1,
-        log_path=tmp_path_factory.mktemp("vllm-gateway") / "vllm.log",
+        log_path=logs / "vllm.log",
         env={"OMP_NUM_THREADS": "1"},
     )
     server.start()
     try:
-        server.wait_healthy(timeout=600)
+        server.wait_healthy(timeout=900)  # a real model on busy cores: vLLM compiles it
         httpx.post(
-            server.url + "/update_weight_version", json={"new_version": str(VERSION)}, timeout=30
+            server.url + "/update_weight_version", json={"new_version": str(version)}, timeout=30
         ).raise_for_status()
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def vllm(vllm_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    logs = tmp_path_factory.mktemp("vllm-gateway")
+    with vllm_serving(vllm_model, logs, VERSION, max_model_len=LONG + 512) as server:
+        yield server
 
 
 @pytest.fixture
@@ -113,37 +132,50 @@ def test_a_chat_turn_records_vllms_tokens_logprobs_and_versions(vgw, vllm_model)
 
 def test_a_stream_across_a_version_change_records_each_tokens_version(vgw, vllm):
     _, key = vgw.start_session()
-    stream = vgw.openai(key).chat.completions.create(
-        model=vgw.model,
-        messages=STORY,
-        max_tokens=LONG,
-        temperature=1.0,
-        stream=True,
-        extra_body={"min_tokens": LONG},  # it runs its length, whatever the model samples
-    )
-    text = []
+    generated = engine_metric(vllm, "vllm:generation_tokens_total")
+    read: dict[str, Any] = {}
+
+    def client() -> None:  # the agent reads its stream to the end
+        stream = vgw.openai(key).chat.completions.create(
+            model=vgw.model,
+            messages=STORY,
+            max_tokens=LONG,
+            temperature=1.0,
+            stream=True,
+            extra_body={"min_tokens": LONG},  # it runs its length, whatever the model samples
+        )
+        chunks = list(stream)
+        read["text"] = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        read["id"] = chunks[-1].id
+
+    async def bump() -> None:
+        async with VLLMClient(vllm.url) as engine:
+            await engine.pause_generation("in_place")
+            await engine.update_weight_version(VERSION + 1)
+            await engine.continue_generation()
+
+    agent = threading.Thread(target=client)
+    agent.start()
     try:
-        for index, chunk in enumerate(stream):
-            if chunk.choices and chunk.choices[0].delta.content:
-                text.append(chunk.choices[0].delta.content)
-            if index == 2:  # vLLM is generating: the next tokens are another version's
-
-                async def bump() -> None:
-                    async with VLLMClient(vllm.url) as client:
-                        await client.pause_generation("in_place")
-                        await client.update_weight_version(VERSION + 1)
-                        await client.continue_generation()
-
-                asyncio.run(bump())
-        turn = Interaction.objects.get(pk=chunk.id)
+        # Once vLLM has written some of the answer (what it counts, not what the client has
+        # read: the gateway may hold text back), the rest is another version's.
+        deadline = time.monotonic() + 120  # a bound on the wait, not a measure of speed
+        while (
+            engine_metric(vllm, "vllm:generation_tokens_total") - generated < 50
+            and time.monotonic() < deadline
+        ):
+            time.sleep(0.02)
+        asyncio.run(bump())
+        agent.join(300)
     finally:
         asyncio.run(_set_version(vllm.url, VERSION))
+    turn = Interaction.objects.get(pk=read["id"])
     versions = turn.outputs[0]["versions"]
     assert turn.outputs[0]["finish_reason"] == "length"
     assert len(versions) == len(turn.outputs[0]["output_ids"]) == LONG
     assert versions[0] == VERSION and versions[-1] == VERSION + 1
     assert versions == sorted(versions)
-    assert "".join(text) == turn.outputs[0]["text"]
+    assert read["text"] == turn.outputs[0]["text"]
 
 
 async def _set_version(url: str, version: int) -> None:
