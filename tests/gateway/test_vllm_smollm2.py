@@ -4,14 +4,19 @@
 The tiny test model (tests/gateway/test_vllm_turns.py) has 2 layers and a 260-token
 vocabulary; this one has 30 layers, a 49,152-token vocabulary and its own chat template, so the
 agreement between vLLM's logprobs and the trainer's recomputation, and the rendering of a
-conversation across turns, are checked where a deployment meets them. Needs
+conversation across turns, are checked where a deployment meets them; and, since it writes a
+few tokens a second here, the streams that a test acts on while they run: a version change in
+the middle of one, and a client that leaves one. Needs
 ``./steep install --vllm`` and ``./steep install --dev``; CI sets ``STEEP_VLLM_CHECK=required``
 so that it cannot skip there.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -111,3 +116,82 @@ def test_a_conversation_with_a_real_instruct_model_on_vllm_is_recorded_turn_by_t
     prefix = turn.input_ids + turn.outputs[0]["output_ids"]
     assert second.input_ids[: len(prefix)] == prefix
     check_recorded(second, smollm2)
+
+
+# A stream that runs while a test acts on it: SmolLM2 writes ~10-15 tokens a second here, so
+# its tokens keep coming for many seconds (the tiny model's 600 came faster than a loaded
+# machine delivered the first of them: both tests failed that way with it).
+LONG = 200
+STORY = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
+
+
+def test_a_stream_across_a_version_change_records_each_tokens_version(sgw, vllm):
+    from rl_core.inference.vllm import VLLMClient
+
+    _, key = sgw.start_session()
+    stream = sgw.openai(key).chat.completions.create(
+        model=sgw.model,
+        messages=STORY,
+        max_tokens=LONG,
+        temperature=1.0,
+        stream=True,
+        extra_body={"min_tokens": LONG},  # it runs its length, whatever the model samples
+    )
+
+    async def bump(version: int) -> None:
+        async with VLLMClient(vllm.url) as engine:
+            await engine.pause_generation("in_place")
+            await engine.update_weight_version(version)
+            await engine.continue_generation()
+
+    text = []
+    try:
+        for index, chunk in enumerate(stream):
+            if chunk.choices and chunk.choices[0].delta.content:
+                text.append(chunk.choices[0].delta.content)
+            if index == 2:  # vLLM is generating: the next tokens are another version's
+                asyncio.run(bump(VERSION + 1))
+        turn = Interaction.objects.get(pk=chunk.id)
+    finally:
+        asyncio.run(bump(VERSION))
+    versions = turn.outputs[0]["versions"]
+    assert turn.outputs[0]["finish_reason"] == "length"
+    assert len(versions) == len(turn.outputs[0]["output_ids"]) == LONG
+    assert versions[0] == VERSION and versions[-1] == VERSION + 1
+    assert versions == sorted(versions)
+    assert "".join(text) == turn.outputs[0]["text"]
+
+
+def test_a_client_that_leaves_a_stream_aborts_vllms_request(sgw, vllm, http):
+    from tests.gateway.test_vllm_turns import engine_metric
+
+    _, key = sgw.start_session()
+    generated = engine_metric(vllm, "vllm:generation_tokens_total")
+    body = {
+        "model": sgw.model,
+        "messages": STORY,
+        "max_tokens": LONG,
+        "min_tokens": LONG,
+        "temperature": 1.0,
+        "stream": True,
+    }
+    with http.stream(
+        "POST",
+        sgw.base_url + "/chat/completions",
+        json=body,
+        headers={"Authorization": f"Bearer {key}"},
+    ) as response:
+        assert response.status_code == 200
+        interaction_id = json.loads(next(line for line in response.iter_lines() if line)[6:])["id"]
+    deadline = time.monotonic() + 120  # a bound on the wait, not a measure of speed
+    while (
+        not Interaction.objects.filter(pk=interaction_id).exists() and time.monotonic() < deadline
+    ):
+        time.sleep(0.05)
+    while engine_metric(vllm, "vllm:num_requests_running") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    # min_tokens holds the answer to LONG tokens: vLLM stopped short only if it was aborted.
+    assert engine_metric(vllm, "vllm:generation_tokens_total") - generated < LONG
+    turn = Interaction.objects.get(pk=interaction_id)
+    assert turn.aborted and turn.outputs[0]["finish_reason"] == "abort"
+    assert len(turn.outputs[0]["output_ids"]) < LONG
