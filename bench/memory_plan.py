@@ -146,6 +146,7 @@ def sizing_table(
                 rows.append({"table": "sizing", "size": size, "weights": label, "gpus": world, **p})
                 cells.append(f"{world} ({p['peak'] / GB:.0f} GB)" if world else f"> {WORLDS[-1]}")
             lines.append(f"| {size} | {label} | " + " | ".join(cells) + " |")
+            print(lines[-1], flush=True)  # a row at a time: the whole table takes a while
     return "\n".join(lines), rows
 
 
