@@ -66,7 +66,7 @@ def _chunk_scores(
     head: torch.nn.Module,
     hidden: torch.Tensor,  # [C, H]
     targets: torch.Tensor,  # [C]
-    scale: torch.Tensor | None,  # [C, 1] or None
+    scale: torch.Tensor | float | None,  # [C, 1], a float, or None
     with_entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     logits = head(hidden).float()  # [C, V]
@@ -89,19 +89,18 @@ def chunked_scores(
     with_entropy: bool,
     entropy_grad: bool,
     chunk_tokens: int,
+    recompute: bool = True,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
     """``(logprobs [C], entropy [C] | None)`` of each ``chunk_tokens`` rows of ``hidden``:
-    ``log_softmax(head(hidden) / scale)`` at ``targets``. With gradients, each chunk's logits
-    are recomputed in the backward (activation checkpointing) rather than kept."""
-    grad = torch.is_grad_enabled() and (hidden.requires_grad or _has_grad(head))
+    ``log_softmax(head(hidden) / scale)`` at ``targets``. With gradients and ``recompute``,
+    each chunk's logits are recomputed in the backward (activation checkpointing) rather than
+    kept; ``recompute=False`` (rows that are logits already, ``head`` the identity) keeps them."""
+    grad = recompute and torch.is_grad_enabled() and (hidden.requires_grad or _has_grad(head))
+    if not isinstance(scale, torch.Tensor) and scale == 1.0:
+        scale = None
     for start in range(0, hidden.shape[0], chunk_tokens):
         rows = slice(start, start + chunk_tokens)
-        if isinstance(scale, torch.Tensor):
-            chunk_scale: torch.Tensor | None = scale[rows]
-        elif scale is not None and scale != 1.0:
-            chunk_scale = hidden.new_full((1, 1), float(scale), dtype=torch.float32)
-        else:
-            chunk_scale = None
+        chunk_scale = scale[rows] if isinstance(scale, torch.Tensor) else scale
         args = (head, hidden[rows], targets[rows], chunk_scale, with_entropy)
         if grad:
             logprobs, entropy = checkpoint(_chunk_scores, *args, use_reentrant=False)

@@ -188,37 +188,29 @@ def packed_logprobs(
     place = output_head(model) if from_hidden else None
     if place is not None:
         with hidden_states_out(model, place):
-            hidden = model(input_ids=ids, **kwargs).logits[0, :-1]  # [T-1, H]: row t → token t+1
-        scores = chunked_scores(
-            place[2],
-            hidden,
-            targets,
-            scale,
-            with_entropy=with_entropy,
-            entropy_grad=entropy_grad,
-            chunk_tokens=chunk_tokens,
-        )
-        lps, ents = [], []
-        for logprobs, entropy in scores:
-            lps.append(logprobs)  # [C]
-            if entropy is not None:
-                ents.append(entropy)  # [C]
-        return _per_token(batch, lps, ents, with_entropy)
-    logits = model(input_ids=ids, **kwargs).logits[0, :-1]  # [T-1, V]: row t predicts token t+1
+            rows = model(input_ids=ids, **kwargs).logits[0, :-1]  # [T-1, H]: row t → token t+1
+        head, recompute = place[2], True
+    else:
+        # The model's own logits, scored chunk by chunk so that, without grad (proximal and
+        # reference passes), no float32 copy of all T x V of them is alive at once; with
+        # grad, autograd keeps each chunk anyway.
+        rows = model(input_ids=ids, **kwargs).logits[0, :-1]  # [T-1, V]
+        head, recompute = torch.nn.Identity(), False
+    scores = chunked_scores(
+        head,
+        rows,
+        targets,
+        scale,
+        with_entropy=with_entropy,
+        entropy_grad=entropy_grad,
+        chunk_tokens=chunk_tokens,
+        recompute=recompute,
+    )
     lps, ents = [], []
-    # Chunked so that, without grad (proximal/reference passes), no float32 copy of all
-    # T x V logits is ever alive at once; with grad, autograd keeps each chunk anyway.
-    for start in range(0, logits.shape[0], chunk_tokens):
-        lg = logits[start : start + chunk_tokens].float()  # [C, V]
-        if isinstance(scale, torch.Tensor):
-            lg = lg / scale[start : start + chunk_tokens]  # row t: token t+1's temperature
-        elif scale is not None and scale != 1.0:
-            lg = lg / scale
-        lse = torch.logsumexp(lg, dim=-1)  # [C]
-        lps.append(lg.gather(-1, targets[start : start + chunk_tokens, None])[:, 0] - lse)  # [C]
-        if with_entropy:
-            src, src_lse = (lg, lse) if entropy_grad else (lg.detach(), lse.detach())
-            ents.append(src_lse - (torch.softmax(src, dim=-1) * src).sum(-1))  # [C]
+    for logprobs, entropy in scores:
+        lps.append(logprobs)  # [C]
+        if entropy is not None:
+            ents.append(entropy)  # [C]
     return _per_token(batch, lps, ents, with_entropy)
 
 

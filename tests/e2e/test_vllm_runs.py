@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from rl_core.inference.vllm import vllm_available, vllm_python
-from tests.e2e.test_training_runs import create_dataset_run, run_state
+from tests.e2e.test_training_runs import create_dataset_run, online_lora_run_played, run_state
 from tests.livestack import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
@@ -126,7 +126,6 @@ def test_an_online_lora_run_on_a_vllm_pool_trains_while_agents_play(stack, rest,
     online LoRA run: agents play through the gateway with the openai SDK while each new
     version is loaded into the pool's server as an adapter; the server is the pool's, never
     restarted, and the versions it answered with rose."""
-    from tests.e2e.test_training_runs import online_lora_run_played
     from webapp.gateway.models import Interaction, Session
     from webapp.pools.models import Pool, PoolServer
     from webapp.runs.models import MetricPoint
