@@ -126,19 +126,30 @@ def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimize
 def load_full_state(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None,
-    model_state: dict[str, Any],
+    model_state: dict[str, Any] | None,
     optimizer_state: dict | None = None,
     *,
     strict: bool = True,
 ) -> None:
     """Load full state dicts that rank 0 holds (other ranks pass ``{}``) into the shards of
-    every rank. A collective. Rank 0 fills tied weights saved once (``lm_head`` =
-    ``embed_tokens``) from their twin, so a missing or unexpected key is an error, unless
-    not ``strict`` (a LoRA adapter: the keys rank 0 holds, the rest left as they are)."""
-    from torch.distributed.checkpoint.state_dict import (
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
+    every rank (``model_state`` None: the optimizer's alone). A collective. Rank 0 fills tied
+    weights saved once (``lm_head`` = ``embed_tokens``) from their twin, so a missing or
+    unexpected key is an error, unless not ``strict`` (a LoRA adapter: the keys rank 0
+    holds, the rest left as they are)."""
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    if model_state is not None:
+        _load_full_model_state(model, model_state, strict)
+    if optimizer is not None and optimizer_state is not None:
+        set_optimizer_state_dict(
+            model, optimizer, optimizer_state, options=_options(broadcast_from_rank0=True)
+        )
+
+
+def _load_full_model_state(
+    model: torch.nn.Module, model_state: dict[str, Any], strict: bool
+) -> None:
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
     if dist.get_rank() == 0:
         model_state = dict(model_state)
@@ -152,10 +163,6 @@ def load_full_state(
                     model_state[name] = model_state[present[0]]
     options = _options(broadcast_from_rank0=True, strict=strict)
     set_model_state_dict(model, model_state, options=options)
-    if optimizer is not None and optimizer_state is not None:
-        set_optimizer_state_dict(
-            model, optimizer, optimizer_state, options=_options(broadcast_from_rank0=True)
-        )
 
 
 def optimizer_state_by_name(state: dict, names: Sequence[str]) -> dict:
@@ -208,3 +215,26 @@ def on_rank0(read: Callable[[], T], default: T) -> T:
     if (error := broadcast_from_rank0(error)) is not None:
         raise error
     return result
+
+
+def save_sharded_optimizer(model: torch.nn.Module, optimizer: Any, directory: str) -> None:
+    """The optimizer state as ``torch.distributed.checkpoint`` files: each rank writes its own
+    shards (keyed by parameter name), rank 0 the metadata. A collective under FSDP2."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=directory)
+
+
+def load_sharded_optimizer(model: torch.nn.Module, optimizer: Any, directory: str) -> None:
+    """Read ``save_sharded_optimizer``'s files into ``optimizer``, resharded to this run's
+    workers (any number; a single unsharded process too)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
+    dcp.load(state, checkpoint_id=directory)
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])

@@ -5,7 +5,10 @@ renamed), loadable by ``AutoModelForCausalLM.from_pretrained`` and servable by S
 (``--model-path OUT``):
 
 * a full fine-tuning checkpoint's float32 weights cast to the base model's dtype;
-* a LoRA checkpoint's adapter merged into the weights it applies to (``rl_core.lora``).
+* a LoRA checkpoint's adapter merged into the weights it applies to (``rl_core.lora``);
+
+a tensor at a time (any model size: no model is built, memory is one tensor and one output
+file of at most 1 GiB).
 
 The dtype is the run's ``base_model``'s (what its inference servers loaded), read from the
 checkpoint's ``trainer_state.pt``. The web app runs this in a subprocess (the web process
@@ -25,8 +28,10 @@ from typing import Any
 import torch
 
 from rl_core import lora
-from rl_core.hf import TOKENIZER_FILES, config_dtype, load_causal_lm
-from rl_core.trainer import TRAINER_STATE
+from rl_core.hf import TOKENIZER_FILES, config_dtype
+from rl_core.sharded_load import AdapterDeltas
+from rl_core.streamed_weights import Entry, write_folder
+from rl_core.trainer_saving import TRAINER_STATE
 
 
 def _say(message: str) -> None:
@@ -45,36 +50,56 @@ def export_dtype(checkpoint: Path) -> torch.dtype:
 
 
 def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike) -> Path:
-    """Write the merged (or cast) model of ``checkpoint`` to ``out``; returns ``out``."""
-    from peft import PeftModel
+    """Write the merged (or cast) model of ``checkpoint`` to ``out``; returns ``out``.
+
+    Streamed: each tensor is read from the checkpoint's (or the adapter's base's) safetensors
+    files, merged with the adapter's ``scale · B @ A`` where it applies, cast and added to
+    an output file of at most 1 GiB; no model is built, so memory is a tensor and a file.
+    """
+    from safetensors import safe_open
 
     source, target = Path(checkpoint), Path(out)
     if not source.is_dir():
         raise FileNotFoundError(f"checkpoint directory {source} does not exist")
     dtype = export_dtype(source)
-    cpu = torch.device("cpu")
-    model: Any
-    if lora.is_lora_checkpoint(source):
-        base = lora.adapter_base(source)
-        _say(f"loading the base weights from {base}")
-        model = PeftModel.from_pretrained(load_causal_lm(base, torch.float32, cpu), str(source))
-        _say("merging the adapter")
-        state = lora.merged_state_dict(model, dtype)
-        model = model.get_base_model()
-    else:
-        _say(f"loading the weights from {source}")
-        model = load_causal_lm(source, torch.float32, cpu)
-        state = {k: v.detach().to(dtype) for k, v in model.state_dict().items()}
+    weights = Path(lora.base_weights_path(source))
+    deltas = AdapterDeltas(source) if lora.is_lora_checkpoint(source) else None
+    files = sorted(weights.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {weights}")
+    entries, where = [], {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            for key in handle.keys():
+                view = handle.get_slice(key)
+                stored = _DTYPES.get(view.get_dtype(), torch.float32)
+                cast = dtype if stored.is_floating_point else stored
+                entries.append(Entry(key, key, tuple(view.get_shape()), cast))
+                where[key] = f
+    merging = " and merging the adapter" if deltas is not None else ""
+    _say(f"streaming {len(entries)} tensors from {weights}{merging}")
+
+    def tensors(keep: Any) -> Any:
+        for entry in entries:
+            with safe_open(str(where[entry.name]), framework="pt") as handle:
+                tensor = handle.get_tensor(entry.name)
+            delta = deltas.rows(entry.name, 0, entry.shape[0]) if deltas is not None else None
+            if delta is not None:
+                tensor = tensor.float() + delta
+            yield entry, tensor.to(entry.dtype)
+
     _say(f"writing {target} ({str(dtype).removeprefix('torch.')})")
     tmp = target.with_name(target.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, state_dict=state)
-    config_file = tmp / "config.json"
-    config = json.loads(config_file.read_text())
+    tmp.mkdir(parents=True)
+    write_folder(tmp, entries, tensors)
+    config = json.loads((weights / "config.json").read_text())
     for key in ("dtype", "torch_dtype"):
         if key in config:
             config[key] = str(dtype).removeprefix("torch.")
-    config_file.write_text(json.dumps(config, indent=2))
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    if (weights / "generation_config.json").is_file():
+        shutil.copy2(weights / "generation_config.json", tmp / "generation_config.json")
     for pattern in TOKENIZER_FILES:
         for f in source.glob(pattern):
             shutil.copy2(f, tmp / f.name)
@@ -85,6 +110,21 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike) -> 
     shutil.rmtree(old, ignore_errors=True)
     _say("done")
     return target
+
+
+# safetensors' dtype names
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,16 +17,13 @@ reduces the gradients itself; otherwise ``_all_reduce_grads`` sums full replicas
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
 import random
-import shutil
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,29 +33,20 @@ from rl_core import lora
 from rl_core.advantages import token_advantages
 from rl_core.attention import packed_attention_implementation
 from rl_core.config import RunConfig
-from rl_core.distributed import (
-    broadcast_from_rank0,
-    full_model_state,
-    full_optimizer_state,
-    load_full_state,
-    on_rank0,
-    optimizer_state_by_index,
-    optimizer_state_by_name,
-    rank_micro_batches,
-    shard_model,
-)
+from rl_core.distributed import rank_micro_batches
 from rl_core.failpoints import failpoint
-from rl_core.hf import TOKENIZER_FILES, config_dtype, read_safetensors
+from rl_core.hf import config_dtype
 from rl_core.loss import LossConfig, ppo_loss
 from rl_core.memory import PeakMemory, enable_activation_checkpointing, resolve_precision
 from rl_core.metrics import PhaseTimer, StatsAccumulator, logprob_gap
 from rl_core.packing import PackedBatch, pack, packed_logprobs
+from rl_core.sharded_load import load_sharded
+from rl_core.trainer_saving import TrainerSaving
 from rl_core.types import Trajectory
 from rl_core.weight_sender import WeightSender, weight_metadata
 
 logger = logging.getLogger(__name__)
 
-TRAINER_STATE = "trainer_state.pt"
 _BUCKET_NUMEL = 32 * 1024 * 1024  # gradient values all-reduced at once (128 MiB in float32)
 
 
@@ -80,7 +68,7 @@ def lr_factor(step: int, schedule: str, warmup_steps: int, total_steps: int) -> 
     raise ValueError(f"unknown lr_schedule {schedule!r}; use constant, linear or cosine")
 
 
-class PPOTrainer:
+class PPOTrainer(TrainerSaving):
     """Decoupled-PPO trainer for any HF causal LM at a local path.
 
     Parameters and optimizer state stay in float32 (bf16 AdamW updates of a 1e-5
@@ -115,25 +103,17 @@ class PPOTrainer:
         # (float32) checkpoint of another run.
         self.save_dtype = config_dtype(cfg.base_model if cfg.init_checkpoint else self.model_path)
         self.lora = cfg.lora_rank > 0
-        attention = packed_attention_implementation(self.device)
-        self.model = lora.load_policy(self.model_path, cfg, torch.float32, self.device, attention)
-        self.model.train()
-        if cfg.gradient_checkpointing:
-            enable_activation_checkpointing(self.model)
         self.precision = resolve_precision(cfg.precision, self.device)
         self.autocast_dtype = torch.bfloat16 if self.precision == "bf16" else None
+        # More than one trainer process: FSDP2 shards parameters, gradients and optimizer
+        # state, and each rank loads only its own shards (rl_core.sharded_load).
+        self.fsdp = self.distributed and self.world_size > 1 and cfg.train_workers > 1
+        self.model = self._load(torch.float32, self._prepare_policy, self.autocast_dtype)
         self.ref_model = None  # with LoRA the reference is the model with its adapter off
         if cfg.kl_coef > 0 and not self.lora:
-            self.ref_model = lora.load_policy(
-                self.model_path, cfg, self.autocast_dtype or torch.float32, self.device, attention
+            self.ref_model = self._load(
+                self.autocast_dtype or torch.float32, lambda m: m.eval().requires_grad_(False)
             )
-            self.ref_model.eval().requires_grad_(False)
-        # More than one trainer process: FSDP2 shards parameters, gradients and optimizer state.
-        self.fsdp = self.distributed and self.world_size > 1 and cfg.train_workers > 1
-        if self.fsdp:
-            shard_model(self.model, param_dtype=self.autocast_dtype)
-            if self.ref_model is not None:
-                shard_model(self.ref_model)
 
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
@@ -145,6 +125,20 @@ class PPOTrainer:
         )
         self.version = 0
         self._sender = WeightSender()  # distributed weight updates (rl_core.weight_sync)
+
+    def _load(self, dtype: torch.dtype, prepare: Callable[[Any], Any], param_dtype=None) -> Any:
+        attention = packed_attention_implementation(self.device)
+        if self.fsdp:
+            return load_sharded(self.model_path, self.cfg, dtype, self.device, attention,
+                                param_dtype=param_dtype, prepare=prepare)  # fmt: skip
+        model = lora.load_policy(self.model_path, self.cfg, dtype, self.device, attention)
+        prepare(model)
+        return model
+
+    def _prepare_policy(self, model: Any) -> None:
+        model.train()
+        if self.cfg.gradient_checkpointing:
+            enable_activation_checkpointing(model)
 
     # ------------------------------------------------------------------ training
 
@@ -351,30 +345,6 @@ class PPOTrainer:
             else torch.device("cpu")
         )
 
-    # ------------------------------------------------------------------ saving
-
-    def save_weights(self, path: str | os.PathLike) -> str:
-        """HF-format weights (safetensors, in the base model's dtype) + config + tokenizer.
-
-        Loadable by ``from_pretrained`` and by SGLang's ``/update_weights_from_disk``; a LoRA
-        run's adapter is merged in. Written atomically by rank 0; every rank must call it.
-        Returns the directory.
-        """
-        if self.lora:  # under FSDP2 the merge reads the full state gathered onto rank 0
-            full = full_model_state(self.model) if self.fsdp else None
-            state = lora.merged_state_dict(self.model, self.save_dtype, full)
-            return self._save(Path(path), state, self.save_dtype, extra=None)
-        state = {k: v.detach().to(self.save_dtype) for k, v in self._model_state().items()}
-        return self._save(Path(path), state, self.save_dtype, extra=None)
-
-    def save_adapter(self, path: str | os.PathLike) -> str:
-        """A LoRA run's adapter alone (peft format), for the servers' ``/load_lora_adapter``
-        (``rl_core.adapter_sync``). Rank 0 writes; every rank must call it."""
-        if not self.lora:
-            raise ValueError("save_adapter needs a LoRA run (lora_rank > 0)")
-        adapter = full_model_state(self.model, trainable_only=True) if self.fsdp else None
-        return self._save(Path(path), None, torch.float32, extra=None, adapter=adapter)
-
     # Distributed weight updates (rl_core.weight_sender): every rank calls each of them.
 
     def weight_metadata(self) -> dict[str, list]:
@@ -389,203 +359,12 @@ class PPOTrainer:
     def destroy_weight_group(self, group_name: str) -> None:
         self._sender.destroy(group_name)
 
-    def save_checkpoint(self, path: str | os.PathLike) -> str:
-        """Everything needed to resume exactly: float32 weights (a LoRA run's: the adapter
-        only), tokenizer, optimizer (keyed by parameter name, so any number of workers can
-        resume it), LR schedule, policy version and RNG states. Rank 0 writes; every rank
-        must call it."""
-        return self._save_state(Path(path), self._checkpoint_state(copy=False))
-
-    def checkpoint_snapshot(self) -> Callable[[str], str] | None:
-        """What ``save_checkpoint`` writes, copied now, between two steps; the returned function
-        writes the copy to a path later, from any thread, while training goes on (an
-        asynchronous checkpoint: the loop waits for the copy, not for the disk). ``None`` for
-        a distributed trainer: its gather and barrier are collectives, so it saves in step."""
-        if self.distributed:
-            return None
-        state = self._checkpoint_state(copy=True)
-        return lambda path: self._save_state(Path(path), state)
-
-    def _checkpoint_state(self, *, copy: bool) -> dict[str, Any]:
-        # ``copy``: tensors detached from the live model and optimizer, which the next step
-        # updates in place (a checkpoint written later must hold this step's values).
-        take = _copied if copy else (lambda value: value)
-        extra = {
-            "version": self.version,
-            "optimizer": take(
-                full_optimizer_state(self.model, self.optimizer)
-                if self.fsdp
-                else optimizer_state_by_name(self.optimizer.state_dict(), self._param_names())
-            ),
-            "scheduler": take(self.scheduler.state_dict()),
-            "rng": {
-                "torch": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-                "python": random.getstate(),
-            },
-            "config": self.cfg.to_dict(),
-        }
-        if self.lora:
-            trainable = set(self._param_names())
-            adapter = (
-                full_model_state(self.model, trainable_only=True)
-                if self.fsdp
-                else take({k: v for k, v in self.model.state_dict().items() if k in trainable})
-            )
-            return {"state": None, "adapter": adapter, "extra": extra}
-        state = {k: v.detach() for k, v in self._model_state().items()}
-        return {"state": take(state), "adapter": None, "extra": extra}
-
-    def _save_state(self, path: Path, state: dict[str, Any]) -> str:
-        return self._save(
-            path, state["state"], torch.float32, extra=state["extra"], adapter=state["adapter"]
-        )
-
-    def _param_names(self) -> list[str]:
-        # The optimizer's parameters (self.params), in its order.
-        return [n for n, p in self.model.named_parameters() if p.requires_grad]
-
-    def _model_state(self) -> dict[str, torch.Tensor]:
-        # Under FSDP2 a collective: the full tensors land on rank 0's CPU, the only writer.
-        return full_model_state(self.model) if self.fsdp else self.model.state_dict()
-
-    def _save(
-        self,
-        path: Path,
-        state: dict[str, torch.Tensor] | None,
-        dtype: torch.dtype,
-        extra: dict | None,
-        adapter: dict[str, torch.Tensor] | None = None,
-    ) -> str:
-        """``state`` as an HF model folder (``None``: the LoRA adapter, from ``adapter`` when
-        the model is sharded) + tokenizer + ``extra``."""
-        if self.rank == 0:
-            # Write beside the target and swap in, so a crash never leaves a half-written directory.
-            tmp = path.with_name(path.name + ".tmp")
-            shutil.rmtree(tmp, ignore_errors=True)
-            if state is None:
-                lora.save_adapter(self.model, tmp, adapter)
-            else:
-                lora.hf_model(self.model).save_pretrained(tmp, state_dict=state)
-            self._save_tokenizer(tmp)
-            # save_pretrained records the in-memory (float32) dtype; record the tensors' dtype.
-            config_file = tmp / "config.json"
-            if config_file.exists():
-                config = json.loads(config_file.read_text())
-                for key in ("dtype", "torch_dtype"):
-                    if key in config:
-                        config[key] = str(dtype).removeprefix("torch.")
-                config_file.write_text(json.dumps(config, indent=2))
-            if extra is not None:
-                torch.save(extra, tmp / TRAINER_STATE)
-                failpoint("checkpoint.write", self.version)
-            old = path.with_name(path.name + ".old")
-            if path.exists():
-                path.rename(old)
-            tmp.rename(path)
-            shutil.rmtree(old, ignore_errors=True)
-        if self.distributed:
-            dist.barrier()
-        return str(path)
-
-    def _save_tokenizer(self, directory: Path) -> None:
-        # Copy the base model's own tokenizer files when it is local: re-saving would
-        # rewrite tokenizer_config.json in this transformers version's format, which
-        # an inference server pinned to another version may not read.
-        source = Path(self.model_path)
-        files = (
-            [f for pattern in TOKENIZER_FILES for f in source.glob(pattern)]
-            if source.is_dir()
-            else []
-        )
-        if not files:
-            self.tokenizer.save_pretrained(directory)
-        for f in files:
-            shutil.copy2(f, directory / f.name)
-
-    def load_checkpoint(self, path: str | os.PathLike) -> None:
-        """Restore a ``save_checkpoint`` directory: the next ``train_step`` continues the run exactly.
-
-        Under FSDP2 only rank 0 reads the files and broadcasts them (every rank must call it).
-        """
-        path = Path(path)
-        if lora.is_lora_checkpoint(path) and not self.lora:
-            raise ValueError(
-                f"{path} is a LoRA checkpoint; resume it with the run's lora_rank, "
-                "or start a full fine-tuning run from it with init_checkpoint."
-            )
-        names = self._param_names()
-        if self.fsdp:
-            nothing: tuple[dict[str, torch.Tensor], dict[str, Any]] = ({}, {})
-            state, extra = on_rank0(lambda: self._read_for_shards(path, names), nothing)
-            # A LoRA checkpoint holds the adapter only: the frozen base weights stay.
-            optimizer_state = extra.pop("optimizer", {})
-            load_full_state(
-                self.model, self.optimizer, state, optimizer_state, strict=not self.lora
-            )
-            extra = broadcast_from_rank0(extra)
-        else:
-            if self.lora:
-                lora.load_adapter(self.model, path)
-            else:
-                self._load_weights(path)
-            extra = _read_trainer_state(path)
-            self.optimizer.load_state_dict(optimizer_state_by_index(extra["optimizer"], names))
-        self.scheduler.load_state_dict(extra["scheduler"])
-        self.version = int(extra["version"])
-        torch.set_rng_state(extra["rng"]["torch"])
-        if extra["rng"]["cuda"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(extra["rng"]["cuda"])
-        random.setstate(_as_random_state(extra["rng"]["python"]))
-
-    def _read_for_shards(
-        self, path: Path, names: list[str]
-    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        # Rank 0's part of loading a checkpoint into a sharded model.
-        state = lora.read_adapter(self.model, path) if self.lora else read_safetensors(path)
-        extra = _read_trainer_state(path)
-        extra["optimizer"] = optimizer_state_by_name(extra["optimizer"], names)
-        return state, extra
-
-    def _load_weights(self, path: Path) -> None:
-        state = read_safetensors(path, str(self.device))
-        missing, unexpected = self.model.load_state_dict(state, strict=False)
-        # Tied weights (e.g. lm_head = embed_tokens) are saved once; anything else missing is an error.
-        loaded_ptrs = {t.data_ptr() for k, t in self.model.state_dict().items() if k in state}
-        untied = [k for k in missing if self.model.state_dict()[k].data_ptr() not in loaded_ptrs]
-        if untied or unexpected:
-            raise RuntimeError(
-                f"checkpoint {path} does not match the model: missing {untied}, unexpected {unexpected}"
-            )
-
-
-def _read_trainer_state(path: Path) -> dict[str, Any]:
-    return torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=True)
-
 
 def _all_reduce_bucket(grads: list[torch.Tensor]) -> None:
     flat = torch.cat([g.reshape(-1) for g in grads])  # [sum of numel]
     dist.all_reduce(flat)
     for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
         g.copy_(part.view_as(g))
-
-
-def _copied(value: Any) -> Any:
-    """``value`` with every tensor in it cloned (dicts, lists and tuples walked), on the CPU."""
-    if isinstance(value, torch.Tensor):
-        tensor = value.detach()  # (clone is the fast copy on the CPU; .to from a GPU copies)
-        return tensor.clone() if tensor.device.type == "cpu" else tensor.to("cpu")
-    if isinstance(value, dict):
-        return {k: _copied(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(_copied(v) for v in value)
-    return value
-
-
-def _as_random_state(state: Any) -> tuple:
-    # random.setstate wants nested tuples; a round trip through torch.save may hand back lists.
-    version, internal, gauss = state
-    return (version, tuple(internal), gauss)
 
 
 def _default_device() -> torch.device:

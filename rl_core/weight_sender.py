@@ -7,9 +7,9 @@ the extra memory is one unsharded tensor) on the training group, and only rank 0
 sends. The weight group is a process group of its own (``rl_core.inference.
 weight_group``): the FSDP default group is never touched.
 
-What is sent equals what ``save_weights`` writes: the base model's names and dtype, a
-LoRA run's adapter merged in (gathered onto rank 0 first under FSDP2). A tied output
-head is not sent: it is the input embedding, which is.
+What is sent equals what ``save_weights`` writes (``rl_core.streamed_weights``): the base
+model's names and dtype, a LoRA run's adapter merged in, a tensor at a time (its ``A`` and ``B``
+gathered with it). A tied output head is not sent: it is the input embedding, which is.
 
 A broadcast that fails or times out does not raise on rank 0 in the middle of the
 gathers (the other ranks would wait in a collective forever): rank 0 stops sending,
@@ -25,61 +25,28 @@ from typing import Any
 
 import torch
 
-from rl_core import lora
-from rl_core.distributed import full_model_state
 from rl_core.failpoints import failpoint
 from rl_core.inference.weight_group import WeightGroup, dtype_name
+from rl_core.streamed_weights import serving_entries, stream
 
 logger = logging.getLogger(__name__)
-
-_PEFT_PREFIX = "base_model.model."
-
-
-def _serving_name(name: str, is_lora: bool) -> str | None:
-    if not is_lora:
-        return name
-    if ".lora_" in name:
-        return None
-    return name.removeprefix(_PEFT_PREFIX).replace(".base_layer.", ".")
-
-
-def _skip_tied(trainer: Any, name: str) -> bool:
-    config = lora.hf_model(trainer.model).config
-    return bool(getattr(config, "tie_word_embeddings", False)) and name == "lm_head.weight"
 
 
 def weight_metadata(trainer: Any) -> dict[str, list]:
     """``{"names", "dtypes", "shapes"}`` of the serving tensors, in sending order (no collective)."""
-    names, dtypes, shapes = [], [], []
-    for key, value in trainer.model.state_dict().items():
-        name = _serving_name(key, trainer.lora)
-        if name is None or _skip_tied(trainer, name):
-            continue
-        dtype = trainer.save_dtype if value.is_floating_point() else value.dtype
-        names.append(name)
-        dtypes.append(dtype_name(dtype))
-        shapes.append(list(value.shape))  # a DTensor's shape is the global one
-    return {"names": names, "dtypes": dtypes, "shapes": shapes}
+    entries = serving_entries(trainer.model, trainer.save_dtype, is_lora=trainer.lora)
+    return {
+        "names": [e.name for e in entries],
+        "dtypes": [dtype_name(e.dtype) for e in entries],
+        "shapes": [list(e.shape) for e in entries],
+    }
 
 
 def _serving_tensors(trainer: Any) -> Iterator[tuple[str, torch.Tensor | None]]:
     """Each serving tensor in metadata order; ``None`` on ranks other than 0 (they only gather)."""
-    if trainer.lora:
-        full = full_model_state(trainer.model) if trainer.fsdp else None
-        merged = lora.merged_state_dict(trainer.model, trainer.save_dtype, full)
-        for name in weight_metadata(trainer)["names"]:
-            yield name, merged.get(name) if trainer.rank == 0 else None
-        return
-    for key, value in trainer.model.state_dict().items():
-        if _skip_tied(trainer, key):
-            continue
-        if hasattr(value, "full_tensor"):  # an FSDP2 shard: every rank joins the all-gather
-            value = value.full_tensor()
-        if trainer.rank != 0:
-            yield key, None
-            continue
-        dtype = trainer.save_dtype if value.is_floating_point() else value.dtype
-        yield key, value.detach().to(dtype)
+    entries = serving_entries(trainer.model, trainer.save_dtype, is_lora=trainer.lora)
+    for entry, tensor in stream(trainer.model, entries, lambda _: trainer.rank == 0):
+        yield entry.name, tensor
 
 
 class WeightSender:

@@ -1,5 +1,6 @@
 """Data parallel training: two CPU processes (gloo) take the step one process takes on the whole batch."""
 
+import copy
 import datetime
 import json
 import math
@@ -10,7 +11,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.testing import assert_close
 
+from rl_core import streamed_weights
 from rl_core.config import RunConfig
+from rl_core.distributed import full_optimizer_state, optimizer_state_by_name
+from rl_core.export import export_checkpoint
 from rl_core.packing import pack, packed_logprobs
 from rl_core.trainer import PPOTrainer
 from rl_core.types import Trajectory
@@ -170,6 +174,10 @@ def _full_grads_at_optimizer_steps(trainer):
     return seen
 
 
+def _sorted_flat(state):
+    return torch.cat([state[k].reshape(-1) for k in sorted(state)])
+
+
 def _full_params(trainer):
     from rl_core.distributed import full_model_state
 
@@ -193,9 +201,13 @@ def _fsdp_worker(rank, model_path, store, out_dir):
         grads = _full_grads_at_optimizer_steps(trainer)
         batch = _batch_for(model_path)
         stats = trainer.train_step(batch)
+        # Files of 40 kB at most (the tiny model is 150 kB): both ranks write some.
+        streamed_weights.FILE_BYTES = 40_000
         trainer.save_weights(f"{out_dir}/weights")
         trainer.save_checkpoint(f"{out_dir}/ckpt")
         after_one = _full_params(trainer)
+        # (Deep-copied: the gathered state shares the scalar ``step`` tensors with the optimizer.)
+        optimizer_one = copy.deepcopy(full_optimizer_state(trainer.model, trainer.optimizer))
         trainer.train_step(batch)
         after_two = _full_params(trainer)
         trainer.load_checkpoint(f"{out_dir}/ckpt")
@@ -212,6 +224,7 @@ def _fsdp_worker(rank, model_path, store, out_dir):
                     "resumed": resumed,
                     "again": again,
                     "resumed_version": resumed_version,
+                    "optimizer_one": optimizer_one,
                 },
                 f"{out_dir}/fsdp.pt",
             )
@@ -268,6 +281,34 @@ def test_two_fsdp_ranks_take_the_step_one_process_takes_and_resume_exactly(model
     assert torch.equal(got["resumed"], got["after_one"])
     assert not torch.equal(got["after_two"], got["after_one"])
     assert torch.equal(got["again"], got["after_two"])
+
+    # Each rank wrote its part: weight files in turn, its optimizer shards.
+    ckpt = tmp_path / "ckpt"
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) >= 3 and all((ckpt / f).is_file() for f in files)
+    assert sorted(p.name for p in (ckpt / "optimizer").glob("*.distcp")) == [
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]
+    # One worker resumes the two workers' checkpoint: the same parameters and optimizer state.
+    one = PPOTrainer(_fsdp_cfg(model_path, 1), device="cpu")
+    one.load_checkpoint(ckpt)
+    assert one.version == 1
+    assert torch.equal(_sorted_flat(one.model.state_dict()), got["after_one"])
+    want_opt = got["optimizer_one"]
+    have_opt = optimizer_state_by_name(one.optimizer.state_dict(), one._param_names())
+    assert have_opt["state"].keys() == want_opt["state"].keys()
+    for name, moments in want_opt["state"].items():
+        for key, value in moments.items():
+            assert torch.equal(have_opt["state"][name][key], value), (name, key)
+    # The streamed export of that checkpoint is the trained model.
+    export_checkpoint(ckpt, tmp_path / "export")
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
+    assert torch.equal(_sorted_flat(exported.state_dict()), got["after_one"])
+    ids = torch.tensor([[3, 14, 15, 92, 65, 35]])
+    with torch.no_grad():
+        assert torch.equal(exported(ids).logits, one.model(ids).logits)
 
 
 # --------------------------------------------------------------------------- FSDP2 + LoRA

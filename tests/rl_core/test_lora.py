@@ -13,7 +13,8 @@ from torch.testing import assert_close
 from rl_core import lora
 from rl_core.export import export_checkpoint
 from rl_core.packing import pack, packed_logprobs
-from rl_core.trainer import TRAINER_STATE, PPOTrainer
+from rl_core.trainer import PPOTrainer
+from rl_core.trainer_saving import TRAINER_STATE
 from tests.rl_core.test_trainer import _batch, _cfg, _grads_at_optimizer_step
 
 
