@@ -4,12 +4,13 @@ full model and optimizer state onto rank 0 and writing them there (before issue 
 
 ``--workers`` gloo processes (one torch thread each) build a ``PPOTrainer`` on the model and take
 one small step (so AdamW's moments exist), then, each measured on every rank (peak resident
-memory growth over the call, ``rl_core.memory.PeakMemory``, and wall time):
+memory growth over the call, ``rl_core.memory.PeakMemory``, after ``malloc_trim`` returned what
+earlier calls freed to the OS; and wall time):
 
 - ``save_weights``: what servers load (the base model's dtype);
 - ``save_checkpoint``: float32 weights + optimizer (``optimizer/`` DCP files) + trainer state;
 - ``load_checkpoint``: that checkpoint read back (each rank its rows and shards);
-- ``gathered checkpoint``: the path before: ``full_model_state`` and ``full_optimizer_state``
+- ``gathered checkpoint``: the path before (its figures are of this bench's own code): ``full_model_state`` and ``full_optimizer_state``
   onto rank 0's CPU, written there (``save_pretrained`` + ``torch.save``).
 
     python bench/saving.py                                  # SmolLM2-135M-Instruct, 2 workers
@@ -19,6 +20,8 @@ memory growth over the call, ``rl_core.memory.PeakMemory``, and wall time):
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import datetime
 import json
 import platform
@@ -80,7 +83,10 @@ def _worker(rank: int, world: int, store: str, out: str, path: str, file_mb: int
             ("gathered checkpoint", lambda: gathered(f"{out}/gathered")),
         ]
         rows = []
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
         for name, call in calls:
+            gc.collect()
+            trim(0)  # what earlier calls freed goes back to the OS: this call's growth is its own
             dist.barrier()
             memory = PeakMemory(cpu).start()
             started = time.perf_counter()
