@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import gc
 import datetime
+import gc
 import json
 import platform
 import sys

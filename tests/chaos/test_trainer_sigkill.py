@@ -117,3 +117,29 @@ def test_the_trainer_killed_three_times_trains_every_trajectory_once(chaos, rest
     assert groups and all(len(ids) == 1 for ids in groups.values()), {
         row: len(ids) for row, ids in groups.items() if len(ids) > 1
     }
+
+
+def test_two_trainer_workers_killed_mid_checkpoint_resume_their_sharded_checkpoint(chaos, rest):
+    """train_workers=2 (FSDP2): rank 0 killed while the ranks write a sharded checkpoint (each
+    its weight files and optimizer shards), then both killed mid-step. Each restart resumes the
+    last complete sharded checkpoint on two new workers, and the ledger stays exact."""
+    from webapp.runs.models import Run, RunEvent
+
+    settings = {**LEAN, "train_workers": 2}
+    chaos.arm([{"name": "checkpoint.write", "step": 4}, {"name": "train_step", "step": 7}])
+    run = create_dataset_run(rest, chaos.model_dir, rows=128, **settings)
+    assert rest.post(f"/runs/{run['id']}/start/").status_code == 202
+    final = wait_finished(rest, chaos, run["id"], timeout=900)
+
+    assert chaos.armed() == [], "every kill happened"
+    assert Run.objects.get(pk=run["id"]).crash_restarts == 2
+    assert (final["step"], final["weight_version"]) == (8, 8)
+    ledger = assert_ledger_exact(rest, run["id"], batch_size=settings["batch_size"], steps=8)
+    assert_ledger_in_database(run["id"], ledger, steps=8)
+    restarts = RunEvent.objects.filter(run_id=run["id"], kind=RunEvent.RESUME).order_by(
+        "created_at", "id"
+    )
+    assert [event.message.split(".")[0] for event in restarts] == [
+        "Restarted from checkpoint of step 2 (version 2)",
+        "Restarted from checkpoint of step 6 (version 6)",
+    ]
