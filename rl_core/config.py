@@ -150,7 +150,17 @@ class RunConfig:
     )
     gradient_checkpointing: bool = _f(
         False,
-        "Recompute activations in the backward pass: less memory per token, about a third more compute.",
+        "Recompute activations in the backward pass: less memory per token, about a third more compute. Turn it on from 7B, or past 4k tokens per micro-batch (the trainer sizing in docs/deploy.md assumes it).",
+        advanced=True,
+    )
+    cpu_offload: bool = _f(
+        False,
+        "Keep the trainer's sharded float32 weights, gradients and AdamW state in CPU memory and step the optimizer there (FSDP2's CPU offload); each layer is copied to the GPU for its forward and backward. For a model whose 16 bytes per parameter do not fit the trainer GPUs (7B on one 80 GB GPU): GPU memory is then about one layer plus activations, steps are slower (bound by host-device copies). Uses FSDP2 with one trainer worker too; needs host memory of 16 bytes per parameter over the workers of a node.",
+        advanced=True,
+    )
+    activation_offload: bool = _f(
+        False,
+        "Move the activations the backward pass needs to CPU memory during the forward and back during the backward: less GPU memory per token without recomputing, at the cost of host-device copies. With gradient_checkpointing only the layers' checkpoints move. Try gradient_checkpointing first.",
         advanced=True,
     )
     lora_rank: int = _f(

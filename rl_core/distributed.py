@@ -72,17 +72,31 @@ def _layer_classes(model: torch.nn.Module) -> set[str]:
 
 
 def shard_model(
-    model: torch.nn.Module, *, param_dtype: torch.dtype | None = None, mesh: Any = None
+    model: torch.nn.Module,
+    *,
+    param_dtype: torch.dtype | None = None,
+    mesh: Any = None,
+    offload: bool = False,
 ) -> None:
     """``fully_shard`` each decoder layer, then the root (in place; parameters become DTensors).
 
     ``param_dtype`` (e.g. ``torch.bfloat16``): compute dtype of forward and backward, with
     float32 sharded parameters and gradient reduction. Build the optimizer afterwards.
     ``mesh``: the device mesh to shard over (default: every rank of the default group).
+    ``offload``: FSDP2's CPU offload (run setting ``cpu_offload``): the sharded parameters,
+    their gradients and so the optimizer's state and step stay in (pinned) CPU memory, each
+    unit's parameters copied to the device for its forward and backward.
     """
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        FSDPModule,
+        MixedPrecisionPolicy,
+        fully_shard,
+    )
 
     kwargs: dict[str, Any] = {} if mesh is None else {"mesh": mesh}
+    if offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     if param_dtype is not None and param_dtype != torch.float32:
         kwargs["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=param_dtype, reduce_dtype=torch.float32

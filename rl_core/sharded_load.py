@@ -54,12 +54,14 @@ def load_sharded(
     param_dtype: torch.dtype | None = None,
     prepare: Callable[[Any], None] | None = None,
     mesh: Any = None,
+    offload: bool = False,
 ) -> Any:
     """The model ``lora.load_policy`` would return, sharded with FSDP2 over ``mesh`` (default:
     every rank) with parameters in ``dtype`` on ``device``, built without ever holding it whole.
 
     ``prepare(model)`` runs before sharding (train/eval mode, activation checkpointing,
-    freezing). ``param_dtype``: the compute dtype ``shard_model`` casts to. Every rank calls it.
+    freezing). ``param_dtype``: the compute dtype ``shard_model`` casts to; ``offload``: its
+    CPU offload (the shards then live in CPU memory). Every rank calls it.
     """
     from rl_core.distributed import shard_model
 
@@ -77,7 +79,7 @@ def load_sharded(
         model = lora.load_policy(path, cfg, dtype, device, attn_implementation)
         if prepare is not None:
             prepare(model)
-        shard_model(model, param_dtype=param_dtype, mesh=mesh)
+        shard_model(model, param_dtype=param_dtype, mesh=mesh, offload=offload)
         return model
 
     deltas = None
@@ -88,12 +90,18 @@ def load_sharded(
     adapter = _adapter_values(model, path) if cfg.lora_rank else {}
     if prepare is not None:
         prepare(model)
-    shard_model(model, param_dtype=param_dtype, mesh=mesh)
-    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-    model.to_empty(device=device)
+    shard_model(model, param_dtype=param_dtype, mesh=mesh, offload=offload)
+    # Buffers as fully_shard placed them (on the device); to_empty would leave them garbage.
+    buffers = [
+        (module, name, b.detach().clone())
+        for module in model.modules()
+        for name, b in module._buffers.items()
+        if b is not None
+    ]
+    model.to_empty(device=torch.device("cpu") if offload else device)
+    for module, name, value in buffers:
+        module._buffers[name] = value
     with torch.no_grad():
-        for name, b in model.named_buffers():
-            b.copy_(buffers[name])
         _fill(model, files, adapter, deltas)
     return model
 

@@ -107,7 +107,15 @@ class PPOTrainer(TrainerSaving):
         self.autocast_dtype = torch.bfloat16 if self.precision == "bf16" else None
         # More than one trainer process: FSDP2 shards parameters, gradients and optimizer
         # state, and each rank loads only its own shards (rl_core.sharded_load).
-        self.fsdp = self.distributed and self.world_size > 1 and cfg.train_workers > 1
+        # With cpu_offload also one worker shards (a group of one), to keep its state on the CPU.
+        self.fsdp = self.distributed and (
+            (self.world_size > 1 and cfg.train_workers > 1) or cfg.cpu_offload
+        )
+        if cfg.cpu_offload and not self.distributed:
+            raise ValueError(
+                "cpu_offload shards the trainer with FSDP2, which needs torch.distributed "
+                "initialised (workers.trainer_group's workers do it, also for one worker)"
+            )
         self.model = self._load(torch.float32, self._prepare_policy, self.autocast_dtype)
         self.ref_model = None  # with LoRA the reference is the model with its adapter off
         if cfg.kl_coef > 0 and not self.lora:
@@ -130,7 +138,8 @@ class PPOTrainer(TrainerSaving):
         attention = packed_attention_implementation(self.device)
         if self.fsdp:
             return load_sharded(self.model_path, self.cfg, dtype, self.device, attention,
-                                param_dtype=param_dtype, prepare=prepare)  # fmt: skip
+                                param_dtype=param_dtype, prepare=prepare,
+                                offload=self.cfg.cpu_offload)  # fmt: skip
         model = lora.load_policy(self.model_path, self.cfg, dtype, self.device, attention)
         prepare(model)
         return model
@@ -146,6 +155,13 @@ class PPOTrainer(TrainerSaving):
         if self.autocast_dtype is None:
             return nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
+
+    def _saved_activations(self):
+        """Where the forward keeps what the backward needs: on the device, or with
+        ``activation_offload`` in (pinned) CPU memory, copied back as the backward uses it."""
+        if not self.cfg.activation_offload:
+            return nullcontext()
+        return torch.autograd.graph.save_on_cpu(pin_memory=self.device.type == "cuda")
 
     def train_step(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
         """One policy update from a batch of trajectories; returns metrics.
@@ -209,7 +225,8 @@ class PPOTrainer(TrainerSaving):
             loss_sum = 0.0
             with timer.phase("forward_backward"):
                 for mb in micro:
-                    loss, loss_stats = self._micro_batch_loss(mb, normalizer)
+                    with self._saved_activations():
+                        loss, loss_stats = self._micro_batch_loss(mb, normalizer)
                     loss.backward()
                     loss_sum += loss_stats.pop("ppo/loss", 0.0)
                     acc.add(loss_stats, weight=loss_stats["ppo/n_tokens"])

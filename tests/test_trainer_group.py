@@ -134,6 +134,28 @@ def test_two_trainer_actors_save_their_checkpoints_in_step(local_ray, tiny_model
         group.close()
 
 
+def test_one_trainer_actor_with_cpu_offload_shards_as_a_group_of_one(
+    local_ray, tiny_model_dir, tmp_path
+):
+    group = _group(_config(tiny_model_dir, train_workers=1, cpu_offload=True))
+    try:
+        assert group.checkpoint_snapshot() is None  # FSDP2 even alone: saves in step
+        batch = _batch()
+        stats = group.train_step(batch)
+        assert stats["ppo/grad_norm"] > 0
+        group.save_checkpoint(str(tmp_path / "ckpt"))
+        group.save_weights(str(tmp_path / "w1"))
+        group.train_step(batch)
+        group.load_checkpoint(str(tmp_path / "ckpt"))
+        assert group.version == 1
+        group.save_weights(str(tmp_path / "w1-again"))
+    finally:
+        group.close()
+    assert (tmp_path / "ckpt" / "optimizer" / ".metadata").is_file()  # the sharded format
+    w1, again = _weights(tmp_path / "w1"), _weights(tmp_path / "w1-again")
+    assert all(torch.equal(w1[k], again[k]) for k in w1)
+
+
 def test_trainer_workers_the_cluster_cannot_place_fail_with_the_numbers(local_ray, tiny_model_dir):
     from ray.util import placement_group_table
 

@@ -72,7 +72,8 @@ class TrainerWorker:
 
         if not torch.cuda.is_available():
             torch.set_num_threads(int(os.environ.get("STEEP_TORCH_THREADS", "1")))
-        if self.world_size > 1:
+        # cpu_offload shards with FSDP2 also for one worker: a group of one.
+        if self.world_size > 1 or config.get("cpu_offload"):
             backend = "nccl" if torch.cuda.is_available() else "gloo"
             if backend == "nccl":
                 torch.cuda.set_device(0)  # Ray shows each worker its own GPU as device 0
