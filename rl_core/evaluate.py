@@ -12,7 +12,10 @@ queue its requests beside the rollouts (and a weight update pauses them mid-eval
 eval would straddle two policies); a separate process loads the checkpoint it was asked
 about, so its answers all come from one set of weights, and ``nice`` 19 (``STEEP_EVAL_NICE``)
 lets the trainer and the servers take the CPU first. On a GPU cluster the same process
-runs on whatever device it is given (``STEEP_EVAL_DEVICE``; default CPU).
+runs on whatever device it is given (``STEEP_EVAL_DEVICE``; default CPU), and by default
+(``--engine auto``, ``STEEP_EVAL_ENGINE``) it does not sample from a float32 model of its own
+but from an inference server of the run's backend that it starts on the model
+(``rl_core.eval_server``), batching the answers as the run's servers do.
 
 Progress goes to stdout as ``progress <done> <total>`` lines. A LoRA checkpoint's adapter
 is merged into its base weights first (``rl_core.lora``). Sampling is seeded per row, so a
@@ -123,6 +126,18 @@ def evaluate_row(
         stop_ids=set(tokenizer.eos_token_ids),
         seed=member_seed(seed, index, 0),
     )
+    return score_answers(tokenizer, reward_fn, row, index, prompt_text, answers)
+
+
+def score_answers(
+    tokenizer: ChatTokenizer,
+    reward_fn: RewardFn,
+    row: dict[str, Any],
+    index: int,
+    prompt_text: str,
+    answers: list[list[int]],
+) -> dict[str, Any]:
+    """One row's result line: each answer decoded and scored with the run's reward."""
     completions, rewards, errors = [], [], []
     for ids in answers:
         text = tokenizer.decode(ids)
@@ -132,7 +147,7 @@ def evaluate_row(
         errors.append(error)
     return {
         "index": index,
-        "messages": messages,
+        "messages": row_messages(row),
         "answer": row.get("answer"),
         "completions": completions,
         "rewards": rewards,
@@ -153,31 +168,55 @@ def evaluate(
     top_p: float = 1.0,
     seed: int = 0,
     device: str = "cpu",
+    engine: str = "local",
+    backend: str = "auto",
 ) -> list[dict[str, Any]]:
     """Evaluate ``model_path`` on ``rows``; each row's result is appended to ``out`` as it is
-    done. Returns the results."""
+    done. Returns the results. ``engine``: ``local`` (the model in this process, on ``device``),
+    ``server`` (a server of ``backend`` started on it: ``rl_core.eval_server``), or ``auto``
+    (``server`` where CUDA is available)."""
     reward_fn = load_reward_fn(reward)
     chat = load_chat_tokenizer(str(tokenizer))
-    model = load_model(model_path, torch.device(device))
-    results = []
+    if engine == "auto":
+        engine = "server" if torch.cuda.is_available() else "local"
+    if engine not in ("local", "server"):
+        raise ValueError(f"engine {engine!r}: use local, server or auto")
+    results: list[dict[str, Any]] = []
     with open(out, "w", encoding="utf-8") as handle:
-        for index, row in enumerate(rows):
-            result = evaluate_row(
-                model,
-                chat,
-                reward_fn,
-                row,
-                index,
-                k=k,
-                max_new_tokens=max_new_tokens,
-                temperature=temperature,
-                top_p=top_p,
-                seed=seed,
-            )
+
+        def done(result: dict[str, Any]) -> None:
             handle.write(json.dumps(result, ensure_ascii=False) + "\n")
             handle.flush()
             results.append(result)
-            print(f"progress {index + 1} {len(rows)}", flush=True)
+            print(f"progress {len(results)} {len(rows)}", flush=True)
+
+        if engine == "server":
+            from rl_core.eval_server import sample_rows, served
+
+            def on_row(index: int, prompt_text: str, answers: list[list[int]]) -> None:
+                done(score_answers(chat, reward_fn, rows[index], index, prompt_text, answers))
+
+            from rl_core.inference.launch import choose_backend
+
+            backend = choose_backend(backend)
+            cuda = torch.cuda.is_available()
+            kwargs = {"device": "cuda" if cuda and device == "cpu" else device}
+            with served(
+                model_path, backend, Path(out).parent, **(kwargs if backend == "torch" else {})
+            ) as client:
+                sample_rows(
+                    client, chat, rows, k=k, max_new_tokens=max_new_tokens,
+                    temperature=temperature, top_p=top_p, seed=seed, on_row=on_row,
+                )  # fmt: skip
+            return results
+        model = load_model(model_path, torch.device(device))
+        for index, row in enumerate(rows):
+            done(
+                evaluate_row(
+                    model, chat, reward_fn, row, index, k=k, max_new_tokens=max_new_tokens,
+                    temperature=temperature, top_p=top_p, seed=seed,
+                )
+            )  # fmt: skip
     return results
 
 
@@ -193,6 +232,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, required=True)
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus mass; 1: none")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--engine",
+        default=os.environ.get("STEEP_EVAL_ENGINE", "auto"),
+        choices=["auto", "local", "server"],
+        help="local: the model in this process; server: an inference server of --backend "
+        "started on it; auto: server where CUDA is available",
+    )
+    parser.add_argument("--backend", default="auto", help="the run's inference_backend")
     parser.add_argument(
         "--parent-pid",
         type=int,
@@ -220,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
         top_p=args.top_p,
         seed=args.seed,
         device=os.environ.get("STEEP_EVAL_DEVICE", "cpu"),
+        engine=args.engine,
+        backend=args.backend,
     )
     return 0
 

@@ -3,6 +3,7 @@ model trained for a few steps scores higher than the base model on rows it never
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 
@@ -113,6 +114,14 @@ async def test_the_trained_toy_model_beats_the_base_model_on_held_out_rows(
         scores[name] = summarize([r["rewards"] for r in results], k=4, threshold=0.5)
     base, trained = scores["base"], scores["trained"]
     assert trained.mean_reward > base.mean_reward + 0.3, (base, trained)
+    # Sampled by a torch engine started on the checkpoint, seeded per answer as rollouts are.
+    # (In a thread: the evaluation runs its own event loop, as its own process does.)
+    served = await asyncio.to_thread(
+        evaluate, checkpoint.path, held, tmp_path / "served.jsonl", engine="server",
+        backend="torch", **settings,
+    )  # fmt: skip
+    on_server = summarize([r["rewards"] for r in served], k=4, threshold=0.5)
+    assert on_server.mean_reward > base.mean_reward + 0.3, (base, on_server)
     assert trained.mean_reward_ci[0] > base.mean_reward_ci[1], (base, trained)
     assert trained.pass_at_k > base.pass_at_k, (base, trained)
     # Seeded sampling: the same model gives the same answers again.
@@ -160,6 +169,59 @@ def test_a_lora_checkpoint_is_evaluated_with_its_adapter_merged(tiny_model_dir, 
         base = load_causal_lm(tiny_model_dir, torch.float32, torch.device("cpu"))(ids).logits
     torch.testing.assert_close(evaluated, merged, atol=1e-4, rtol=1e-4)
     assert not torch.allclose(evaluated, base, atol=1e-4), "the adapter must change the model"
+
+
+def test_an_evaluation_on_an_inference_server_answers_as_the_local_model(
+    tiny_model_dir, tmp_path, capsys
+):
+    """Greedy answers of a LoRA checkpoint: the torch engine started for the evaluation (on the
+    streamed, merged export) gives the local model's; the server is gone afterwards."""
+    import torch
+
+    from rl_core.evaluate import evaluate
+    from rl_core.trainer import PPOTrainer
+    from rl_core.types import Trajectory
+
+    cfg = RunConfig.from_dict(
+        {"base_model": str(tiny_model_dir), **TOY_SETTINGS, "lora_rank": 4,
+         "learning_rate": 5e-2}
+    )  # fmt: skip
+    trainer = PPOTrainer(cfg, device="cpu")
+    gen = torch.Generator().manual_seed(0)
+    batch = []
+    for i in range(4):
+        ids = torch.randint(0, 256, (10,), generator=gen).tolist()
+        mask = [0] * 3 + [1] * 7
+        batch.append(Trajectory(ids, mask, [0.0] * 10, [0 if m else -1 for m in mask], [float(i)]))
+    trainer.train_step(batch)
+    checkpoint = tmp_path / "step_000001"
+    trainer.save_checkpoint(checkpoint)
+
+    rows = toy_rows(6, seed=1)
+    settings = {
+        "tokenizer": str(tiny_model_dir),
+        "reward": TOY_REWARD,
+        "k": 2,
+        "max_new_tokens": 12,
+        "temperature": 0.0,
+    }
+    local = evaluate(checkpoint, rows, tmp_path / "local.jsonl", engine="local", **settings)
+    (tmp_path / "served").mkdir()
+    out = tmp_path / "served" / "results.jsonl"
+    served = evaluate(checkpoint, rows, out, engine="server", backend="torch", **settings)
+    assert [json.loads(x) for x in out.read_text().splitlines()] == served
+    assert len(served) == len(rows)
+    assert [r["completions"] for r in served] == [r["completions"] for r in local]
+    assert [r["rewards"] for r in served] == [r["rewards"] for r in local]
+    assert any(c for r in served for c in r["completions"])
+    # The server is stopped and the export it served removed; its log stays beside the results.
+    import httpx
+
+    (url,) = [line.split()[2] for line in capsys.readouterr().out.splitlines() if "server" in line]
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{url}/health", timeout=5)
+    assert not (tmp_path / "served" / "served-model").exists()
+    assert (tmp_path / "served" / "server.log").is_file()
 
 
 async def test_the_loop_also_checkpoints_at_each_eval_step(tmp_path):

@@ -1,8 +1,9 @@
 """Running an eval: ``python -m rl_core.evaluate`` in a subprocess of a Celery worker.
 
-The worker runs Django and never imports torch; the evaluation (load the model, sample,
-score) runs in its own process at the lowest CPU priority (see ``rl_core.evaluate`` for why
-not on the run's inference servers). Its ``progress`` lines move the eval's progress.
+The worker runs Django and never imports torch; the evaluation (load the model, or start an
+inference server of the run's backend on it, sample, score) runs in its own process at the
+lowest CPU priority (see ``rl_core.evaluate`` for why not on the run's inference servers).
+Its ``progress`` lines move the eval's progress.
 """
 
 from __future__ import annotations
@@ -120,6 +121,8 @@ def _execute(evaluation: Eval, rows: list[dict]) -> str:
         "--temperature", str(evaluation.temperature),
         "--top-p", str(evaluation.top_p),
         "--seed", str(stored_setting(run.config, "seed")),
+        # --engine from STEEP_EVAL_ENGINE (auto: a server of the run's backend where CUDA is)
+        "--backend", str(stored_setting(run.config, "inference_backend")),
         "--parent-pid", str(os.getpid()),  # it ends with this worker, never writes beside a retry
     ]  # fmt: skip
     env = dict(os.environ) | {"STEEP_TORCH_THREADS": str(settings.STEEP_TORCH_THREADS)}
