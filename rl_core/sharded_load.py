@@ -67,7 +67,7 @@ def load_sharded(
 
     base = lora.base_weights_path(path)
     files = _tensor_files(base)
-    model: Any = _meta_model(base, dtype, attn_implementation) if files else None
+    model: Any = build_on_meta(base, dtype, attn_implementation) if files else None
     unknown = _unknown_keys(model, files) if model is not None else ["(no *.safetensors files)"]
     if unknown:
         logger.warning(
@@ -82,11 +82,35 @@ def load_sharded(
         shard_model(model, param_dtype=param_dtype, mesh=mesh, offload=offload)
         return model
 
-    deltas = None
+    model, adapter = sharded_skeleton(
+        model, path, cfg, device, param_dtype=param_dtype, prepare=prepare, mesh=mesh,
+        offload=offload,
+    )  # fmt: skip
+    full_from_lora = not cfg.lora_rank and lora.is_lora_checkpoint(path)
+    deltas = AdapterDeltas(Path(path)) if full_from_lora else None  # merged weights
+    with torch.no_grad():
+        _fill(model, files, adapter, deltas)
+    return model
+
+
+def sharded_skeleton(
+    model: Any,
+    path: str | os.PathLike,
+    cfg: RunConfig,
+    device: torch.device,
+    *,
+    param_dtype: torch.dtype | None = None,
+    prepare: Callable[[Any], None] | None = None,
+    mesh: Any = None,
+    offload: bool = False,
+) -> tuple[Any, dict[str, torch.Tensor]]:
+    """Steps 1-2 on ``model`` (``build_on_meta``'s): the adapter when the run has one, sharded,
+    storage for this rank's shards (uninitialised) and its buffers back. Returns the model and
+    the adapter's full values (to fill its shards with)."""
+    from rl_core.distributed import shard_model
+
     if cfg.lora_rank:
-        model = _with_adapter(model, base, cfg)
-    elif lora.is_lora_checkpoint(path):  # full fine-tuning from a LoRA checkpoint: merged weights
-        deltas = AdapterDeltas(Path(path))
+        model = _with_adapter(model, lora.base_weights_path(path), cfg)
     adapter = _adapter_values(model, path) if cfg.lora_rank else {}
     if prepare is not None:
         prepare(model)
@@ -101,9 +125,7 @@ def load_sharded(
     model.to_empty(device=torch.device("cpu") if offload else device)
     for module, name, value in buffers:
         module._buffers[name] = value
-    with torch.no_grad():
-        _fill(model, files, adapter, deltas)
-    return model
+    return model, adapter
 
 
 def fill_from_files(model: Any, path: str | os.PathLike) -> None:
@@ -131,7 +153,8 @@ def _tensor_files(base: str) -> dict[str, str]:
     return where
 
 
-def _meta_model(base: str, dtype: torch.dtype, attn_implementation: str | None) -> Any:
+def build_on_meta(base: str, dtype: torch.dtype, attn_implementation: str | None) -> Any:
+    """The model of ``base``'s config, its parameters on the meta device, its buffers real."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from rl_core.hf import dtype_kwargs

@@ -109,3 +109,39 @@ def test_a_lora_plan_holds_gradients_and_moments_for_the_adapter_only():
     assert lora.gradients == pytest.approx(4 * lora.trainable / 8, rel=0.05)
     assert lora.optimizer == pytest.approx(8 * lora.trainable / 8, rel=0.05)
     assert lora.peak < full.peak / 2
+
+
+@pytest.mark.parametrize("size", ["7b", "32b"])
+def test_sharded_loading_of_7b_and_32b_over_8_ranks_never_holds_more_than_the_shards(
+    size, tmp_path
+):
+    """The trainer's own loader (rl_core.sharded_load) on a fake process group of 8: built on
+    the meta device, sharded, storage for this rank's shards. Every tensor made on the CPU is
+    tracked: the peak is the shards, an eighth of the model (filling them reads one parameter's
+    rows at a time: tests/rl_core/test_sharded_load.py)."""
+    import torch
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from rl_core.config import RunConfig
+    from rl_core.memory_plan import fake_process_group
+    from rl_core.sharded_load import build_on_meta, sharded_skeleton
+
+    config = qwen2_config(size)
+    config._attn_implementation = None  # the config file alone: no weights for this size here
+    config.save_pretrained(tmp_path)
+    cfg = RunConfig.from_dict({"base_model": str(tmp_path), "mode": "online", "train_workers": 8})
+    with fake_process_group(8) as mesh:
+        tracker = MemTracker()
+        with tracker:
+            model = build_on_meta(str(tmp_path), torch.float32, None)
+            model, _ = sharded_skeleton(model, tmp_path, cfg, torch.device("cpu"), mesh=mesh)
+        peak = {
+            str(device): kinds["Total"]
+            for device, kinds in tracker.get_tracker_snapshot("peak").items()
+        }
+        shards = sum(p.to_local().numel() * 4 for p in model.parameters())
+        parameters = sum(p.numel() for p in model.parameters())
+    assert parameters == pytest.approx({"7b": 7.62e9, "32b": 32.76e9}[size], rel=0.01)
+    assert shards == pytest.approx(4 * parameters / 8, rel=0.01)
+    # The whole float32 model would be 8 times that; the rotary buffers are a few kB.
+    assert shards <= peak["cpu"] <= shards + (1 << 20), (peak, shards)
