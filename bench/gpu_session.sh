@@ -48,6 +48,22 @@ echo "== CUDA paths (tests/gpu)"
 timeout 120 $py -m pytest --noconftest -p no:cacheprovider -o addopts= tests/gpu -q -rs 2>&1 \
   | tail -40 | tee "$out/gpu-tests.txt"
 
+# Issue 35's figures first: the 1.5B step at 16k tokens (chunked logprobs, with and without
+# activation checkpointing, against the whole [T, V] logits: goal under 40 GB, MFU 35%), then a
+# 7B-shaped LoRA step on one GPU (its peak memory; the plan says 37 GB at 4k tokens).
+if [ -z "${SMOKE:-}" ]; then
+  echo "== issue 35: trainer step ($big, $tokens tokens)"
+  timeout 200 $py bench/train_step.py --model "$big" --device $dev \
+    --cases packed:bf16,packed:bf16:ckpt,packed:bf16:logits --tokens $tokens --warmup 1 --steps 2 \
+    --workdir $models --json /tmp/steep-gpu-issue35-1.5b.json 2>&1 | tail -12 \
+    | tee "$out/issue35-train-step.txt"
+  echo "== issue 35: 7B-shaped LoRA step on one GPU (4096 tokens)"
+  timeout 240 $py bench/train_step.py --model qwen2-7b --device $dev --lora-rank 16 \
+    --cases packed:bf16:ckpt:lora --tokens 4096 --warmup 1 --steps 1 \
+    --workdir $models --json /tmp/steep-gpu-issue35-7b.json 2>&1 | tail -8 \
+    | tee -a "$out/issue35-train-step.txt"
+fi
+
 for cudnn in on off; do
   echo "== decode step under cProfile ($mid body, 4 adapters, SDPA's cuDNN backend $cudnn)"
   flag=$([ $cudnn = off ] && echo --no-cudnn-sdp)

@@ -85,6 +85,7 @@ MODELS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": True,
     },
     "qwen2-1.5b": {"arch": "qwen2", **QWEN2["1.5b"]},  # the memory plans' shape
+    "qwen2-7b": {"arch": "qwen2", **QWEN2["7b"]},  # a LoRA step on one GPU (issue 35)
 }
 
 # attention:precision[:ckpt][:lora][:w2][:logits]
