@@ -20,6 +20,7 @@ MODES = ("online", "dataset")
 INFERENCE_BACKENDS = ("auto", "torch", "sglang", "vllm")
 ADVANTAGE_ESTIMATORS = ("auto", "grpo", "rloo", "reinforce_pp")
 RATIO_LEVELS = ("token", "sequence")
+ROLLOUT_CORRECTIONS = ("cap_mask", "truncate", "token_band", "sequence_reject")
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean")
 KL_ESTIMATORS = ("k1", "k3")
 LR_SCHEDULES = ("constant", "linear", "cosine")
@@ -219,7 +220,23 @@ class RunConfig:
     )
     behav_imp_weight_cap: float | None = _f(
         5.0,
-        "Tokens whose behaviour importance weight exp(p - b) exceeds this are masked; empty = no cap.",
+        "The cap C on the behaviour importance weight w = exp(p - b): tokens above it are masked (rollout_correction cap_mask) or weighted C (truncate); empty = no cap.",
+        min=1.0,
+    )
+    rollout_correction: str = _f(
+        "cap_mask",
+        "What training does with tokens whose engine logprob b is far from the trainer's recomputation p (w = exp(p - b)): cap_mask masks tokens with w above behav_imp_weight_cap; truncate weights them min(w, cap) (truncated importance sampling); token_band masks tokens with w outside [correction_ratio_low, correction_ratio_high]; sequence_reject masks whole sequences whose geometric-mean w is outside that band. Tokens the last two mask leave the loss's denominator. The correction/ metrics show what each would mask.",
+        choices=ROLLOUT_CORRECTIONS,
+    )
+    correction_ratio_low: float = _f(
+        0.5,
+        "Lower end of the band of w = exp(p - b) that token_band and sequence_reject keep.",
+        min=0.0,
+        min_exclusive=True,
+    )
+    correction_ratio_high: float = _f(
+        2.0,
+        "Upper end of the band of w = exp(p - b) that token_band and sequence_reject keep.",
         min=1.0,
     )
     ratio_level: str = _f(
@@ -345,6 +362,11 @@ class RunConfig:
             bad(
                 "lr_warmup_steps",
                 f"Warm-up ({self.lr_warmup_steps}) must be shorter than max_steps ({self.max_steps}).",
+            )
+        if not self.correction_ratio_low <= 1.0 <= self.correction_ratio_high:
+            bad(
+                "correction_ratio_low",
+                f"The band [{self.correction_ratio_low}, {self.correction_ratio_high}] must hold 1 (w = 1 when the engine and the trainer agree).",
             )
         if self.ppo_minibatches > self.batch_size:
             bad(

@@ -8,7 +8,8 @@ training step, recomputed) and current ``θ``. The trust region is taken around
 
     L = -agg_t[ w_t · min(r_t·A_t, clip(r_t, 1-ε, 1+ε_high)·A_t) ],   r_t = exp(θ_t - p_t)
 
-``use_decoupled_loss=False`` sets ``p = b`` (standard PPO, ``w = 1``).
+``use_decoupled_loss=False`` sets ``p = b`` (standard PPO, ``w = 1``). Which tokens ``w`` lets
+train, and how it is capped, is the run's ``rollout_correction`` (``rl_core.correction``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from rl_core.correction import correct, keeps_denominator
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,9 @@ class LossConfig:
     eps_clip_higher: float | None = None
     dual_clip: float | None = None
     behav_imp_weight_cap: float | None = 5.0
+    rollout_correction: str = "cap_mask"
+    correction_ratio_low: float = 0.5
+    correction_ratio_high: float = 2.0
     ratio_level: str = "token"
     loss_agg: str = "token_mean"
     kl_coef: float = 0.0
@@ -105,11 +111,19 @@ def ppo_loss(
     if n_tokens == 0:  # keep the graph so every rank still runs backward
         return (theta * 0.0).sum(), {"ppo/n_tokens": 0.0}
 
-    # Behaviour importance weight; tokens too far off-policy are masked (AReaL's behav_imp_weight_cap).
-    behav_w = torch.exp(prox - behav)  # [T]
-    valid = (
-        mask if cfg.behav_imp_weight_cap is None else mask & (behav_w <= cfg.behav_imp_weight_cap)
-    )  # [T]
+    # Behaviour importance weight w = exp(p - b), and the tokens it lets train
+    # (rl_core.correction: by default those over behav_imp_weight_cap are masked).
+    behav_w, valid = correct(
+        prox - behav,
+        mask,
+        sid,
+        cfg.rollout_correction,
+        cfg.behav_imp_weight_cap,
+        cfg.correction_ratio_low,
+        cfg.correction_ratio_high,
+    )  # [T] each
+    # Tokens a band or a sequence rejection masks leave the denominator; the cap's stay.
+    counted = mask if keeps_denominator(cfg.rollout_correction) else valid  # [T]
 
     log_ratio = torch.where(mask, theta - prox, 0.0)  # [T]
     if cfg.ratio_level == "sequence":
@@ -146,14 +160,16 @@ def ppo_loss(
         per_token = per_token - cfg.entropy_coef * ent
     per_token = torch.where(mask, per_token, 0.0)  # [T]
 
+    per_token = torch.where(counted, per_token, 0.0)  # [T]
     if cfg.loss_agg == "seq_mean":
         n_seq = int(sid.max()) + 1
-        tokens_per_seq = _segment_sum(mask.float(), sid, n_seq)  # [S]
+        tokens_per_seq = _segment_sum(counted.float(), sid, n_seq)  # [S]
         seq_loss = _segment_sum(per_token, sid, n_seq) / tokens_per_seq.clamp(min=1)  # [S]
         denom = normalizer if normalizer is not None else float((tokens_per_seq > 0).sum())
-        loss = seq_loss.sum() / denom
+        loss = seq_loss.sum() / max(denom, 1.0)
     elif cfg.loss_agg == "token_mean":
-        loss = per_token.sum() / (normalizer if normalizer is not None else n_tokens)
+        denom = normalizer if normalizer is not None else float(counted.sum())
+        loss = per_token.sum() / max(denom, 1.0)
     else:
         raise ValueError(f"unknown loss_agg {cfg.loss_agg!r}; use token_mean or seq_mean")
 

@@ -33,6 +33,7 @@ from rl_core import lora
 from rl_core.advantages import token_advantages
 from rl_core.attention import packed_attention_implementation
 from rl_core.config import RunConfig
+from rl_core.correction import MismatchMeter, correct, keeps_denominator
 from rl_core.distributed import rank_micro_batches
 from rl_core.failpoints import failpoint
 from rl_core.hf import config_dtype
@@ -200,6 +201,9 @@ class PPOTrainer(TrainerSaving):
             plan = self._plan(batch, advantages)
 
         acc = StatsAccumulator()
+        mismatch = MismatchMeter(
+            cfg.behav_imp_weight_cap, cfg.correction_ratio_low, cfg.correction_ratio_high
+        )
         with timer.phase("proximal_logprobs"), torch.no_grad(), self._autocast():
             for _, micro in plan:
                 for mb in micro:
@@ -215,9 +219,12 @@ class PPOTrainer(TrainerSaving):
                             self.version,
                         )
                         acc.add(gap, weight=fresh)
+                        mismatch.add(mb.extra["proximal"], mb.logprobs, mb.loss_mask, mb.seq_ids)
                     if cfg.kl_coef > 0:
                         with lora.reference(self.model, self.ref_model) as ref:
                             mb.extra["ref"] = packed_logprobs(ref, mb)[0]
+            if cfg.use_decoupled_loss and not keeps_denominator(cfg.rollout_correction):
+                plan = self._recounted(plan)  # what the correction masked leaves the denominator
 
         losses, grad_norms, skipped = [], [], 0
         lr = float(self.scheduler.get_last_lr()[0])
@@ -254,6 +261,7 @@ class PPOTrainer(TrainerSaving):
 
         with timer.phase("reduce_stats"):
             stats.update(acc.result(reduce_across_ranks=self.distributed))
+            stats.update(mismatch.result(_gather_objects if self.distributed else None))
             stats.pop("ppo/n_tokens", None)
             loss_t = torch.tensor(losses, dtype=torch.float64, device=self._collective_device())
             if self.distributed:  # each rank holds its shard's part of every minibatch loss
@@ -314,6 +322,29 @@ class PPOTrainer(TrainerSaving):
                 micro += [padding.to(self.device)] * (most - len(micro))
             plan.append((normalizer, micro))
         return plan
+
+    def _recounted(
+        self, plan: list[tuple[float, list[PackedBatch]]]
+    ) -> list[tuple[float, list[PackedBatch]]]:
+        """``plan`` with each minibatch's normalizer counting only what ``rollout_correction``
+        keeps (tokens, or sequences for seq_mean), summed over the ranks."""
+        cfg = self.cfg
+        counts = []
+        for _, micro in plan:
+            kept = 0.0
+            for mb in micro:
+                _, keep = correct(
+                    mb.extra["proximal"] - mb.logprobs, mb.loss_mask.bool(), mb.seq_ids,
+                    cfg.rollout_correction, cfg.behav_imp_weight_cap,
+                    cfg.correction_ratio_low, cfg.correction_ratio_high,
+                )  # fmt: skip
+                seqs = float(torch.unique(mb.seq_ids[keep]).numel())
+                kept += seqs if cfg.loss_agg == "seq_mean" else float(keep.sum())
+            counts.append(kept)
+        total = torch.tensor(counts, dtype=torch.float64, device=self._collective_device())
+        if self.distributed:
+            dist.all_reduce(total)
+        return [(max(n, 1.0), micro) for n, (_, micro) in zip(total.tolist(), plan, strict=True)]
 
     def _micro_batch_loss(
         self, mb: PackedBatch, normalizer: float
@@ -382,6 +413,12 @@ def _all_reduce_bucket(grads: list[torch.Tensor]) -> None:
     dist.all_reduce(flat)
     for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
         g.copy_(part.view_as(g))
+
+
+def _gather_objects(obj: Any) -> list[Any]:
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
 
 
 def _default_device() -> torch.device:

@@ -15,6 +15,8 @@ EVAL_PREFIX = "eval/"
 PANELS: list[tuple[str, str, tuple[str, ...]]] = [
     ("reward", "Reward", ("rollout/",)),
     ("policy", "Policy / PPO", ("ppo/", "loss/")),
+    # The engines' logprobs against the trainer's recomputation (rl_core.correction).
+    ("correction", "Rollout correction", ("correction/",)),
     ("staleness", "Staleness", ("staleness/",)),
     # Before "system", which takes every other timing/: what each weight update moved and
     # how long it held inference up (rl_core.weight_sync, rl_core.adapter_sync).
