@@ -97,6 +97,121 @@ def compile_template(
     return template
 
 
+@dataclass(frozen=True)
+class ToolSupport:
+    """Whether a chat template renders the ``tools`` it is given, assistant ``tool_calls``
+    and ``tool`` messages (``ChatTokenizer.tool_support``)."""
+
+    tools: bool
+    calls: bool
+    results: bool
+
+
+_PROBE_NAME = "steep_probe_fn_5d1c"
+_PROBE_TEXT = "steep_probe_result_5d1c"
+_PROBE_TOOL: dict = {
+    "type": "function",
+    "function": {
+        "name": _PROBE_NAME,
+        "description": "d",
+        "parameters": {"type": "object", "properties": {}},
+    },
+}
+_PROBE_CALL: list[dict] = [
+    {"role": "user", "content": "u"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"id": "call_0", "type": "function", "function": {"name": _PROBE_NAME, "arguments": {}}}
+        ],
+    },
+]
+_PROBE_RESULT: list[dict] = [
+    *_PROBE_CALL,
+    {"role": "tool", "tool_call_id": "call_0", "name": _PROBE_NAME, "content": _PROBE_TEXT},
+]
+
+# Steep's own rendering of tools for a template without (the Hermes / Qwen format, which
+# parse_tool_calls reads back).
+TOOLS_PREAMBLE = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+)
+TOOLS_POSTAMBLE = (
+    "\n</tools>\n\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+)
+
+
+def tools_text(tools: list[dict]) -> str:
+    """The tool schemas as Steep writes them into the system message: one JSON per line."""
+    lines = "".join("\n" + json.dumps(tool, ensure_ascii=False) for tool in tools)
+    return TOOLS_PREAMBLE + lines + TOOLS_POSTAMBLE
+
+
+def tool_call_text(call: dict) -> str:
+    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` for an OpenAI tool call
+    (its arguments a JSON string or an object): what ``parse_tool_calls`` reads back."""
+    function = call.get("function", call) if isinstance(call, dict) else {}
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except ValueError:
+            pass  # kept as the string it is
+    payload = {"name": function.get("name"), "arguments": arguments}
+    return f"<tool_call>{json.dumps(payload, ensure_ascii=False)}</tool_call>"
+
+
+def _text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, list):  # OpenAI content parts
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return content if isinstance(content, str) else str(content)
+
+
+def steep_tool_messages(
+    messages: list[dict], tools: list[dict] | None, support: ToolSupport
+) -> tuple[list[dict], list[dict] | None]:
+    """``messages`` and ``tools`` as the template is given them: content ``None`` as ``""``;
+    where the template renders no tools, the schemas in the system message (``tools_text``);
+    no tool calls, each as ``tool_call_text`` after the assistant's content; no tool results,
+    each as a user turn of ``<tool_response>`` blocks (consecutive results in one turn)."""
+    out: list[dict] = []
+    merged_results = False  # the last message out is a user turn of tool responses
+    for message in messages:
+        message = dict(message)
+        if message.get("content") is None:
+            message["content"] = ""
+        calls = message.get("tool_calls") or []
+        if calls and not support.calls:
+            texts = [_text(message["content"])] if _text(message["content"]) else []
+            message["content"] = "\n".join(texts + [tool_call_text(c) for c in calls])
+            message.pop("tool_calls", None)
+        if message.get("role") == "tool" and not support.results:
+            block = f"<tool_response>\n{_text(message['content'])}\n</tool_response>"
+            if merged_results:
+                out[-1]["content"] += "\n" + block
+                continue
+            out.append({"role": "user", "content": block})
+            merged_results = True
+            continue
+        merged_results = False
+        out.append(message)
+    if tools and not support.tools:
+        block = tools_text(tools)
+        if out and out[0].get("role") == "system":
+            system = _text(out[0]["content"])
+            out[0] = {**out[0], "content": f"{system}\n\n{block}" if system else block}
+        else:
+            out.insert(0, {"role": "system", "content": block})
+        tools = None
+    return out, tools
+
+
 @dataclass
 class ChatTokenizer:
     """A model directory's tokenizer and chat template, usable from the web process."""
@@ -114,6 +229,7 @@ class ChatTokenizer:
     # key → (number of ids, their text), most recent last (see decode_continued)
     _texts: OrderedDict = field(default_factory=OrderedDict, repr=False, compare=False)
     _texts_chars: int = field(default=0, repr=False, compare=False)
+    _tool_support: ToolSupport | None = field(default=None, repr=False, compare=False)
 
     PROMPT_CACHE_SIZE: ClassVar[int] = 2048
     TEXT_CACHE_CHARS: ClassVar[int] = 1 << 24  # remembered texts, in characters, at most
@@ -151,6 +267,33 @@ class ChatTokenizer:
         *,
         tools: list[dict] | None = None,
         add_generation_prompt: bool = True,
+    ) -> str:
+        """The prompt text of ``messages`` (and ``tools``) by the model's template. Content
+        ``None`` is rendered as empty text; what the template cannot render of tools, tool
+        calls and tool results Steep writes itself (``tool_support``, ``steep_tool_messages``)."""
+        messages, tools = steep_tool_messages(messages, tools, self.tool_support())
+        return self._render(messages, tools, add_generation_prompt)
+
+    def tool_support(self) -> ToolSupport:
+        """What the template renders of tools, assistant tool calls and tool results: found
+        once, by rendering probes (a name or a text it must write out if it uses them)."""
+        if self._tool_support is None:
+            self._tool_support = ToolSupport(
+                tools=self._probe([{"role": "user", "content": "u"}], [_PROBE_TOOL]),
+                calls=self._probe(_PROBE_CALL, None),
+                results=self._probe(_PROBE_RESULT, None, _PROBE_TEXT),
+            )
+        return self._tool_support
+
+    def _probe(self, messages: list[dict], tools: list[dict] | None, needle: str = "") -> bool:
+        try:
+            text = self._render(messages, tools, False)
+        except ChatTemplateError:
+            return False
+        return (needle or _PROBE_NAME) in text
+
+    def _render(
+        self, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool
     ) -> str:
         try:
             return self.template.render(
