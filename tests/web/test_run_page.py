@@ -31,6 +31,7 @@ def test_metrics_are_grouped_by_prefix_with_reward_and_eval_leading():
             "weight_sync/bytes",
             "loss/total",
             "rollout/seq_len",
+            "correction/kl_k3",
             "mystery/thing",
         ]
     )
@@ -38,6 +39,7 @@ def test_metrics_are_grouped_by_prefix_with_reward_and_eval_leading():
     assert [(p.title, p.metrics) for p in layout.panels] == [
         ("Reward", ["rollout/seq_len"]),
         ("Policy / PPO", ["loss/total", "ppo/loss"]),
+        ("Rollout correction", ["correction/kl_k3"]),
         ("Staleness", ["staleness/max"]),
         ("Weight sync", ["timing/inference_stall", "weight_sync/bytes"]),
         ("Throughput / System", ["perf/tokens_per_s", "timing/step"]),
