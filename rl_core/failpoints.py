@@ -5,8 +5,8 @@ chaos tests (``tests/chaos/``) need it killed *inside* a training step, a checkp
 and a weight update. ``STEEP_FAILPOINTS`` names a JSON file holding a list of
 ``{"name": ..., "step": N}``; ``failpoint(name, step)`` takes the first entry for ``name``
 whose step has been reached out of the file (rewritten atomically, so each entry fires
-once, across restarts) and kills the calling process with SIGKILL: no handler, no
-``finally``, as an OOM kill or a lost node would.
+once, across restarts; several processes reaching it at once may all fire) and kills the
+calling process with SIGKILL: no handler, no ``finally``, as an OOM kill or a lost node would.
 
 The places: ``train_step`` (step N, after backward and before the optimizer step),
 ``checkpoint.write`` (the checkpoint of step N, its files written beside the final
@@ -46,6 +46,8 @@ def arm(path: str | Path, entries: list[dict]) -> None:
     unknown = [e.get("name") for e in entries if e.get("name") not in NAMES]
     if unknown:
         raise ValueError(f"unknown failpoints {unknown}; the places are {', '.join(NAMES)}")
-    tmp = Path(f"{path}.tmp")
+    # A file of this process's own: two trainer ranks reaching one failpoint at once both
+    # rewrite the list, and a shared temporary name would be renamed away under one of them.
+    tmp = Path(f"{path}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(entries))
     tmp.replace(path)
