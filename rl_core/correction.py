@@ -136,7 +136,10 @@ class MismatchMeter:
         if not tokens:
             return {}
         log_w = torch.cat(ratios).double()
-        quantiles = torch.quantile(log_w, torch.tensor(self.QUANTILES, dtype=torch.float64))
+        # Nearest-rank percentiles from one sort (torch.quantile refuses above 2^24 values).
+        ordered = log_w.sort().values
+        last = ordered.numel() - 1
+        quantiles = torch.stack([ordered[round(q * last)] for q in self.QUANTILES])
         stats = {
             "correction/log_ratio_mean": log_w.mean().item(),
             **{
