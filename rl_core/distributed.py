@@ -14,8 +14,10 @@
   master parameters, their gradients and AdamW's state stay float32, and gradients
   are reduced in float32. Gradients are *summed* over ranks (not averaged), because
   the loss is already divided by the whole minibatch's token count.
-- Saving gathers full (unsharded) state dicts onto rank 0's CPU; loading reads them
-  on rank 0 only and broadcasts, so only rank 0 touches checkpoint files.
+- A LoRA adapter and its optimizer state (small) are gathered whole onto rank 0's CPU
+  and broadcast back from it; a full model's weights are never gathered
+  (``rl_core.streamed_weights``, ``rl_core.sharded_load``) and its optimizer state is
+  saved and loaded shard by shard (``save_sharded_optimizer``, ``load_sharded_optimizer``).
 """
 
 from __future__ import annotations
@@ -113,6 +115,15 @@ def shard_model(
             module.set_force_sum_reduction_for_comms(True)
 
 
+def parameter_names(model: torch.nn.Module) -> dict[int, list[str]]:
+    """Each parameter's names, by its ``id``: tied weights have several (``lm_head`` =
+    ``embed_tokens``), saved under one of them."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return names
+
+
 def _options(**kwargs: Any) -> Any:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
@@ -142,41 +153,23 @@ def load_full_state(
     optimizer: torch.optim.Optimizer | None,
     model_state: dict[str, Any] | None,
     optimizer_state: dict | None = None,
-    *,
-    strict: bool = True,
 ) -> None:
     """Load full state dicts that rank 0 holds (other ranks pass ``{}``) into the shards of
-    every rank (``model_state`` None: the optimizer's alone). A collective. Rank 0 fills tied
-    weights saved once (``lm_head`` = ``embed_tokens``) from their twin, so a missing or
-    unexpected key is an error, unless not ``strict`` (a LoRA adapter: the keys rank 0
-    holds, the rest left as they are)."""
-    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+    every rank. A collective. ``model_state``: some of the model's keys (a LoRA adapter; the
+    rest stay as they are), or None for the optimizer's state alone. A full model's weights
+    are read by every rank from the files instead (``rl_core.sharded_load.fill_from_files``)."""
+    from torch.distributed.checkpoint.state_dict import (
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
     if model_state is not None:
-        _load_full_model_state(model, model_state, strict)
+        options = _options(broadcast_from_rank0=True, strict=False)
+        set_model_state_dict(model, model_state, options=options)
     if optimizer is not None and optimizer_state is not None:
         set_optimizer_state_dict(
             model, optimizer, optimizer_state, options=_options(broadcast_from_rank0=True)
         )
-
-
-def _load_full_model_state(
-    model: torch.nn.Module, model_state: dict[str, Any], strict: bool
-) -> None:
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict
-
-    if dist.get_rank() == 0:
-        model_state = dict(model_state)
-        names_of: dict[int, list[str]] = {}
-        for name, p in model.named_parameters(remove_duplicate=False):
-            names_of.setdefault(id(p), []).append(name)
-        for names in names_of.values():
-            present = [n for n in names if n in model_state]
-            for name in names:
-                if present and name not in model_state:
-                    model_state[name] = model_state[present[0]]
-    options = _options(broadcast_from_rank0=True, strict=strict)
-    set_model_state_dict(model, model_state, options=options)
 
 
 def optimizer_state_by_name(state: dict, names: Sequence[str]) -> dict:

@@ -84,60 +84,44 @@ def sample_rows(
 ) -> None:
     """Sample ``k`` answers to each row's prompt on the server; ``on_row(index, prompt_text,
     answers)`` for each row, in row order, as soon as it and every row before it are done."""
-    asyncio.run(
-        _sample_rows(
-            client, tokenizer, rows, k, max_new_tokens, temperature, top_p, seed, on_row,
-            concurrency,
-        )
-    )  # fmt: skip
 
+    async def run() -> None:
+        params = {
+            "max_new_tokens": max_new_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "stop_token_ids": list(tokenizer.eos_token_ids),
+        }
+        slots = asyncio.Semaphore(concurrency)
 
-async def _sample_rows(
-    client: Any,
-    tokenizer: ChatTokenizer,
-    rows: list[dict[str, Any]],
-    k: int,
-    max_new_tokens: int,
-    temperature: float,
-    top_p: float,
-    seed: int,
-    on_row: Callable[[int, str, list[list[int]]], None],
-    concurrency: int,
-) -> None:
-    params = {
-        "max_new_tokens": max_new_tokens,
-        "temperature": temperature,
-        "top_p": top_p,
-        "stop_token_ids": list(tokenizer.eos_token_ids),
-    }
-    slots = asyncio.Semaphore(concurrency)
+        async def answer(prompt: list[int], index: int, member: int) -> list[int]:
+            async with slots:
+                result = await client.generate(
+                    prompt,
+                    {**params, "sampling_seed": member_seed(seed, index, member)},
+                    return_logprob=False,
+                )
+            return list(result.output_ids)
 
-    async def answer(prompt: list[int], index: int, member: int) -> list[int]:
-        async with slots:
-            result = await client.generate(
-                prompt,
-                {**params, "sampling_seed": member_seed(seed, index, member)},
-                return_logprob=False,
-            )
-        return list(result.output_ids)
+        async def row_answers(index: int) -> tuple[str, list[list[int]]]:
+            text = tokenizer.render(row_messages(rows[index]))
+            prompt = tokenizer.encode(text)
+            return text, list(await asyncio.gather(*(answer(prompt, index, m) for m in range(k))))
 
-    async def row_answers(index: int) -> tuple[str, list[list[int]]]:
-        text = tokenizer.render(row_messages(rows[index]))
-        prompt = tokenizer.encode(text)
-        return text, list(await asyncio.gather(*(answer(prompt, index, m) for m in range(k))))
+        try:
+            # Rows are started in order, at most a window of them at once, and reported in order.
+            window = max(1, concurrency // max(1, k)) * 2
+            pending: dict[int, asyncio.Task] = {}
+            started = 0
+            for index in range(len(rows)):
+                while started < len(rows) and started < index + window:
+                    pending[started] = asyncio.create_task(row_answers(started))
+                    started += 1
+                text, answers = await pending.pop(index)
+                on_row(index, text, answers)
+        finally:
+            for task in pending.values():
+                task.cancel()
+            await client.aclose()
 
-    try:
-        # Rows are started in order, at most a window of them at once, and reported in order.
-        window = max(1, concurrency // max(1, k)) * 2
-        pending: dict[int, asyncio.Task] = {}
-        started = 0
-        for index in range(len(rows)):
-            while started < len(rows) and started < index + window:
-                pending[started] = asyncio.create_task(row_answers(started))
-                started += 1
-            text, answers = await pending.pop(index)
-            on_row(index, text, answers)
-    finally:
-        for task in pending.values():
-            task.cancel()
-        await client.aclose()
+    asyncio.run(run())

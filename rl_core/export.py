@@ -18,7 +18,6 @@ never imports torch); progress lines go to stdout.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -28,7 +27,7 @@ from typing import Any
 import torch
 
 from rl_core import lora
-from rl_core.hf import TOKENIZER_FILES, config_dtype
+from rl_core.hf import TOKENIZER_FILES, config_dtype, record_dtype
 from rl_core.sharded_load import AdapterDeltas
 from rl_core.streamed_weights import Entry, write_folder
 from rl_core.trainer_saving import TRAINER_STATE
@@ -93,11 +92,8 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike) -> 
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     write_folder(tmp, entries, tensors)
-    config = json.loads((weights / "config.json").read_text())
-    for key in ("dtype", "torch_dtype"):
-        if key in config:
-            config[key] = str(dtype).removeprefix("torch.")
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    shutil.copy2(weights / "config.json", tmp / "config.json")
+    record_dtype(tmp / "config.json", dtype)
     if (weights / "generation_config.json").is_file():
         shutil.copy2(weights / "generation_config.json", tmp / "generation_config.json")
     for pattern in TOKENIZER_FILES:

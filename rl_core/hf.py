@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import json
 import os
 from typing import Any
 
@@ -71,6 +72,21 @@ def load_causal_lm(
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
     return model
+
+
+def record_dtype(config_file: str | os.PathLike, dtype: torch.dtype) -> None:
+    """Rewrite the ``dtype`` (or older ``torch_dtype``) that ``config_file`` records as the
+    dtype its weights were written in: ``save_pretrained`` records the in-memory one."""
+    from pathlib import Path
+
+    path = Path(config_file)
+    if not path.exists():
+        return
+    config = json.loads(path.read_text())
+    for key in ("dtype", "torch_dtype"):
+        if key in config:
+            config[key] = str(dtype).removeprefix("torch.")
+    path.write_text(json.dumps(config, indent=2))
 
 
 def config_dtype(path: str | os.PathLike) -> torch.dtype:

@@ -36,6 +36,22 @@ from rl_core.config import RunConfig
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."  # peft's wrapper before every key of the base model
+
+
+def base_key(name: str) -> str:
+    """A key of the adapted model's state dict as the base model names it (its files, its
+    servers): peft's prefix and ``.base_layer`` removed."""
+    return name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")
+
+
+def record_base(model: Any, base: str | os.PathLike) -> None:
+    """Record in ``model``'s adapter config what it applies to, as an absolute path when local:
+    checkpoints and exports find their base weights through it."""
+    local = Path(base).is_dir()
+    model.peft_config["default"].base_model_name_or_path = (
+        str(Path(base).resolve()) if local else str(base)
+    )
 
 
 def is_lora_checkpoint(path: str | os.PathLike) -> bool:
@@ -96,12 +112,7 @@ def load_policy(
             model.requires_grad_(True)
         return model
     model = get_peft_model(model, lora_config(cfg))
-    # What the adapter applies to, as an absolute path when local: checkpoints and exports
-    # find their base weights through it.
-    local = Path(base).is_dir()
-    model.peft_config["default"].base_model_name_or_path = (
-        str(Path(base).resolve()) if local else base
-    )
+    record_base(model, base)
     if is_lora_checkpoint(path):
         load_adapter(model, path)
     return model
@@ -204,7 +215,6 @@ def merged_state_dict(
     state = model.state_dict() if state is None else state
     if not state:
         return {}
-    prefix = "base_model.model."
     deltas: dict[str, torch.Tensor] = {}
     for name, layer in model.named_modules():
         if not isinstance(layer, LoraLayer):
@@ -215,13 +225,13 @@ def merged_state_dict(
             delta = layer.scaling[adapter] * (b @ a)  # [out, in]
             if getattr(layer, "fan_in_fan_out", False):  # GPT-2's Conv1D stores W transposed
                 delta = delta.T
-            key = f"{name.removeprefix(prefix)}.weight"
+            key = f"{name.removeprefix(PEFT_PREFIX)}.weight"
             deltas[key] = deltas[key] + delta if key in deltas else delta
     merged = {}
     for key, value in state.items():
         if ".lora_" in key:
             continue
-        key = key.removeprefix(prefix).replace(".base_layer.", ".")
+        key = base_key(key)
         tensor = value.detach()
         if key in deltas:
             tensor = tensor.float() + deltas.pop(key)

@@ -38,10 +38,9 @@ import torch
 
 from rl_core import lora
 from rl_core.config import RunConfig
+from rl_core.distributed import parameter_names, shard_model
 
 logger = logging.getLogger(__name__)
-
-_PEFT_PREFIX = "base_model.model."
 
 
 def load_sharded(
@@ -63,8 +62,6 @@ def load_sharded(
     freezing). ``param_dtype``: the compute dtype ``shard_model`` casts to; ``offload``: its
     CPU offload (the shards then live in CPU memory). Every rank calls it.
     """
-    from rl_core.distributed import shard_model
-
     base = lora.base_weights_path(path)
     files = _tensor_files(base)
     model: Any = build_on_meta(base, dtype, attn_implementation) if files else None
@@ -107,8 +104,6 @@ def sharded_skeleton(
     """Steps 1-2 on ``model`` (``build_on_meta``'s): the adapter when the run has one, sharded,
     storage for this rank's shards (uninitialised) and its buffers back. Returns the model and
     the adapter's full values (to fill its shards with)."""
-    from rl_core.distributed import shard_model
-
     if cfg.lora_rank:
         model = _with_adapter(model, lora.base_weights_path(path), cfg)
     adapter = _adapter_values(model, path) if cfg.lora_rank else {}
@@ -188,24 +183,11 @@ def _parameters_on_meta() -> Iterator[None]:
         setattr(torch.nn.Module, "register_parameter", register)  # noqa: B010
 
 
-def _hf_key(name: str) -> str:
-    """A parameter's key in the model's files (peft's wrapper names removed)."""
-    return name.removeprefix(_PEFT_PREFIX).replace(".base_layer.", ".")
-
-
-def _aliases(model: Any) -> dict[int, list[str]]:
-    """Each parameter's names (tied weights have several: ``lm_head`` = ``embed_tokens``)."""
-    names: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    return names
-
-
 def _unknown_keys(model: Any, files: dict[str, str]) -> list[str]:
     return sorted(
         names[0]
-        for names in _aliases(model).values()
-        if not any(_hf_key(n) in files for n in names)
+        for names in parameter_names(model).values()
+        if not any(lora.base_key(n) in files for n in names)
     )
 
 
@@ -236,10 +218,7 @@ def _with_adapter(model: Any, base: str, cfg: RunConfig) -> Any:
         original = originals[id(stand_in)]
         original.requires_grad_(stand_in.requires_grad)  # peft froze the base
         module._parameters[key] = original
-    local = Path(base).is_dir()
-    model.peft_config["default"].base_model_name_or_path = (
-        str(Path(base).resolve()) if local else base
-    )
+    lora.record_base(model, base)
     return model
 
 
@@ -265,7 +244,7 @@ class AdapterDeltas:
         saved = load_file(str(path / lora.ADAPTER_WEIGHTS))
         for key, a in saved.items():
             if ".lora_A." in key:
-                module = key.removeprefix(_PEFT_PREFIX).split(".lora_A.")[0]
+                module = key.removeprefix(lora.PEFT_PREFIX).split(".lora_A.")[0]
                 b = saved[key.replace(".lora_A.", ".lora_B.")]
                 self.pairs[f"{module}.weight"] = (a.float(), b.float())
 
@@ -304,7 +283,7 @@ def _fill(
     from the files (plus a LoRA checkpoint's delta when merging)."""
     from safetensors import safe_open
 
-    for names in _aliases(model).values():
+    for names in parameter_names(model).values():
         param = model.get_parameter(names[0])
         local = param.to_local()
         start, stop, length = _rows(param)
@@ -315,7 +294,7 @@ def _fill(
         if names[0] in adapter:
             local.copy_(adapter[names[0]][start:stop])
             continue
-        key = next(_hf_key(n) for n in names if _hf_key(n) in files)
+        key = next(lora.base_key(n) for n in names if lora.base_key(n) in files)
         # Opened for each parameter: the file is memory-mapped, and the pages read stay in
         # this process's resident memory until it is closed.
         with safe_open(files[key], framework="pt") as handle:

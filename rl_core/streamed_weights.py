@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from rl_core import lora
+from rl_core.hf import record_dtype
 
 FILE_BYTES = 1 << 30  # a safetensors file of the written weights: at most 1 GiB (or one tensor)
 INDEX = "model.safetensors.index.json"
@@ -65,7 +66,7 @@ def serving_entries(model: Any, dtype: torch.dtype, *, is_lora: bool) -> list[En
     for key, value in model.state_dict().items():
         if ".lora_" in key:
             continue
-        name = key.removeprefix("base_model.model.").replace(".base_layer.", ".")
+        name = lora.base_key(key)
         if tied and name == "lm_head.weight":
             continue
         cast = dtype if value.is_floating_point() else value.dtype
@@ -83,7 +84,7 @@ def _adapted(model: Any) -> dict[str, dict[str, Any]]:
         if not isinstance(layer, LoraLayer):
             continue
         (adapter,) = layer.active_adapters
-        base = name.removeprefix("base_model.model.")
+        base = name.removeprefix(lora.PEFT_PREFIX)
         found[f"{base}.weight"] = {
             "lora_a": f"{name}.lora_A.{adapter}.weight",
             "lora_b": f"{name}.lora_B.{adapter}.weight",
@@ -180,12 +181,7 @@ def write_config(model: Any, directory: Path, dtype: torch.dtype) -> None:
     config = copy.deepcopy(hf.config)
     config.architectures = [type(hf).__name__]
     config.save_pretrained(directory)
-    config_file = directory / "config.json"
-    written = json.loads(config_file.read_text())
-    for key in ("dtype", "torch_dtype"):
-        if key in written:
-            written[key] = str(dtype).removeprefix("torch.")
-    config_file.write_text(json.dumps(written, indent=2))
+    record_dtype(directory / "config.json", dtype)
     generation = getattr(hf, "generation_config", None)
     if generation is not None and hf.can_generate():
         generation.save_pretrained(directory)

@@ -9,7 +9,6 @@ and the ranks meet at a barrier after each write.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import shutil
@@ -34,7 +33,7 @@ from rl_core.distributed import (
     save_sharded_optimizer,
 )
 from rl_core.failpoints import failpoint
-from rl_core.hf import TOKENIZER_FILES, read_safetensors
+from rl_core.hf import TOKENIZER_FILES, read_safetensors, record_dtype
 from rl_core.sharded_load import fill_from_files
 from rl_core.streamed_weights import Entry, serving_entries, stream, write_config, write_folder
 
@@ -124,7 +123,8 @@ class TrainerSaving:
                 else take({k: v for k, v in self.model.state_dict().items() if k in trainable})
             )
             return {"state": None, "adapter": adapter, "extra": extra}
-        state = {k: v.detach() for k, v in self._model_state().items()}
+        # (An FSDP2 full fine-tuning checkpoint is streamed instead: save_checkpoint.)
+        state = {k: v.detach() for k, v in self.model.state_dict().items()}
         return {"state": take(state), "adapter": None, "extra": extra}
 
     def _trainer_extra(self, take: Callable[[Any], Any]) -> dict[str, Any]:
@@ -149,10 +149,6 @@ class TrainerSaving:
     def _param_names(self) -> list[str]:
         # The optimizer's parameters (self.params), in its order.
         return [n for n, p in self.model.named_parameters() if p.requires_grad]
-
-    def _model_state(self) -> dict[str, torch.Tensor]:
-        # Under FSDP2 a collective: the full tensors land on rank 0's CPU, the only writer.
-        return full_model_state(self.model) if self.fsdp else self.model.state_dict()
 
     def _save(
         self,
@@ -189,7 +185,7 @@ class TrainerSaving:
                 lora.save_adapter(self.model, tmp, adapter)
             else:
                 lora.hf_model(self.model).save_pretrained(tmp, state_dict=state)
-                _record_dtype(tmp / "config.json", dtype)
+                record_dtype(tmp / "config.json", dtype)
             self._save_tokenizer(tmp)
             if extra is not None:
                 torch.save(extra, tmp / TRAINER_STATE)
@@ -248,10 +244,10 @@ class TrainerSaving:
                 extra = broadcast_from_rank0(extra)
         elif self.fsdp:
             nothing: tuple[dict[str, torch.Tensor], dict[str, Any]] = ({}, {})
-            state, extra = on_rank0(lambda: self._read_for_shards(path, names), nothing)
+            state, extra = on_rank0(lambda: self._read_adapter_checkpoint(path, names), nothing)
             # A LoRA checkpoint holds the adapter only: the frozen base weights stay.
             optimizer_state = extra.pop("optimizer", {})
-            load_full_state(self.model, self.optimizer, state, optimizer_state, strict=False)
+            load_full_state(self.model, self.optimizer, state, optimizer_state)
             extra = broadcast_from_rank0(extra)
         else:
             if self.lora:
@@ -270,11 +266,11 @@ class TrainerSaving:
             torch.cuda.set_rng_state_all(extra["rng"]["cuda"])
         random.setstate(_as_random_state(extra["rng"]["python"]))
 
-    def _read_for_shards(
+    def _read_adapter_checkpoint(
         self, path: Path, names: list[str]
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        # Rank 0's part of loading a checkpoint into a sharded model.
-        state = lora.read_adapter(self.model, path) if self.lora else read_safetensors(path)
+        # Rank 0's part of resuming a sharded LoRA run (a full run's ranks read their own rows).
+        state = lora.read_adapter(self.model, path)
         extra = _read_trainer_state(path)
         extra["optimizer"] = optimizer_state_by_name(extra["optimizer"], names)
         return state, extra
@@ -289,16 +285,6 @@ class TrainerSaving:
             raise RuntimeError(
                 f"checkpoint {path} does not match the model: missing {untied}, unexpected {unexpected}"
             )
-
-
-def _record_dtype(config_file: Path, dtype: torch.dtype) -> None:
-    # save_pretrained records the in-memory (float32) dtype; record the tensors' dtype.
-    if config_file.exists():
-        config = json.loads(config_file.read_text())
-        for key in ("dtype", "torch_dtype"):
-            if key in config:
-                config[key] = str(dtype).removeprefix("torch.")
-        config_file.write_text(json.dumps(config, indent=2))
 
 
 def _read_trainer_state(path: Path) -> dict[str, Any]:
