@@ -73,12 +73,13 @@ def vllm_available() -> bool:
 
 def vllm_cpu_settings() -> dict[str, Any]:
     """How Steep runs vLLM's CPU build: float32, as the trainer computes on CPUs (so the
-    logprobs recorded and recomputed agree), a KV cache of ``STEEP_VLLM_CPU_KVCACHE_GB``
-    GiB (default 2; vLLM's own default takes most of the host's memory), and
-    ``STEEP_TORCH_THREADS`` threads (default 1), as the torch engine."""
+    logprobs recorded and recomputed agree; ``STEEP_VLLM_CPU_DTYPE=bfloat16`` serves in bf16,
+    to measure the mismatch that makes: docs/benchmarks.md), a KV cache of
+    ``STEEP_VLLM_CPU_KVCACHE_GB`` GiB (default 2; vLLM's own default takes most of the host's
+    memory), and ``STEEP_TORCH_THREADS`` threads (default 1), as the torch engine."""
     threads = os.environ.get("STEEP_TORCH_THREADS", "1")
     return {
-        "dtype": "float32",
+        "dtype": os.environ.get("STEEP_VLLM_CPU_DTYPE", "float32"),
         "kv_cache_space_gb": int(os.environ.get("STEEP_VLLM_CPU_KVCACHE_GB", "2")),
         "env": {"OMP_NUM_THREADS": threads},
     }
@@ -132,6 +133,9 @@ class VLLMServer(InferenceServer):
             "--port", str(self.port),
             "--enable-scale-out",  # the token-in/token-out /inference/v1/generate
             "--logprobs-mode", "processed_logprobs",
+            # A session's next turn reuses the last one's KV blocks (on by default on GPUs
+            # only; the CPU build decides per platform): issue 36's long sessions.
+            "--enable-prefix-caching",
             "--tensor-parallel-size", str(self.tensor_parallel),
             "--weight-transfer-config", json.dumps({"backend": TRANSFER_BACKEND}),
         ]  # fmt: skip

@@ -15,13 +15,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from rl_core.inference.torch_engine.fair import FairQueue, TokenRates
-from rl_core.inference.torch_engine.kv_cache import PaddedBatchCache
+from rl_core.inference.torch_engine.kv_cache import KV, PaddedBatchCache
 from rl_core.inference.torch_engine.lora import AdapterSet
 from rl_core.inference.torch_engine.penalties import apply_penalties, penalised
 from rl_core.inference.torch_engine.prefill import (
@@ -31,8 +30,14 @@ from rl_core.inference.torch_engine.prefill import (
     prefill,
     wants_input_logprobs,
 )
+from rl_core.inference.torch_engine.prefix_cache import (
+    DEFAULT_MAX_TOKENS,
+    PrefixCache,
+    prefill_continued,
+)
 from rl_core.inference.torch_engine.protocol import BadRequest, GenerateRequest, generate_response
 from rl_core.inference.torch_engine.sample import sample_tokens
+from rl_core.inference.torch_engine.weight_load import check_same_shapes, load_model
 from rl_core.sampling import logprob_temperature
 
 logger = logging.getLogger("rl_core.inference.torch_engine")
@@ -74,6 +79,7 @@ class TorchEngine:
         served_model_name: str | None = None,
         server_args: dict[str, Any] | None = None,
         adapters: AdapterSet | None = None,
+        prefix_cache_tokens: int = DEFAULT_MAX_TOKENS,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -110,6 +116,8 @@ class TorchEngine:
         # The running batch (scheduler thread only); row i of the cache is _running[i].
         self._running: list[GenerateRequest] = []
         self._cache = PaddedBatchCache(self.device)
+        # Finished requests' KV for the next request with the same beginning (prefix_cache.py)
+        self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 else None
         self.receiver: Any = None  # weight_update.WeightReceiver, made on the first group init
 
         self.stats = {
@@ -218,10 +226,12 @@ class TorchEngine:
             }
         else:
             adapters = {}
+        cached = self.prefix_cache.stats() if self.prefix_cache is not None else {}
         return {
             "num_running_reqs": len(self._running),
             "num_waiting_reqs": sum(depth.values()),
             **adapters,
+            **cached,
             "paused": paused,
             "weight_version": self.weight_version,
             "tenants": tenants,  # per run (adapter name without its version): fair.py
@@ -280,7 +290,7 @@ class TorchEngine:
         holds no model or one whose parameter shapes differ from the served model's.
         """
         new_model = load_model(model_path, dtype=self.model.dtype, device=self.device)
-        _check_same_shapes(self.model, new_model)
+        check_same_shapes(self.model, new_model)
         return new_model
 
     def swap_model(self, model: Any, model_path: str, weight_version: str | None) -> float:
@@ -328,9 +338,19 @@ class TorchEngine:
         return self._swapped(started)
 
     def _updated(self, weight_version: str | None) -> None:
+        self.flush_prefix_cache()  # KV of the old weights
         if weight_version is not None:
             self.weight_version = str(weight_version)
         self.stats["num_weight_updates"] += 1
+
+    def flush_prefix_cache(self, adapter: str | None = None, *, everything: bool = True) -> None:
+        """Forget cached KV: all of it, or (``everything=False``) one adapter's."""
+        if self.prefix_cache is None:
+            return
+        if everything:
+            self.prefix_cache.clear()
+        else:
+            self.prefix_cache.forget(adapter)
 
     def _swapped(self, started: float) -> float:
         seconds = time.perf_counter() - started
@@ -391,7 +411,14 @@ class TorchEngine:
             if not self._paused and not self._idle_commands:
                 admitted = self._waiting.pick(self._running, self._fits)
         ready = [req for req in admitted if self._needs_prefill(req)]
-        for group in chunks(ready, self.max_prefill_tokens):
+        fresh = []
+        for req in ready:
+            hit = self._cached(req)
+            if hit is None:
+                fresh.append(req)
+            else:
+                self._prefill([req], past=hit)
+        for group in chunks(fresh, self.max_prefill_tokens):
             self._prefill(group)
         if self._running:
             self._decode()
@@ -415,13 +442,34 @@ class TorchEngine:
             return False
         return True
 
-    def _prefill(self, reqs: list[GenerateRequest]) -> None:
-        """Run the prompts together, sample each first token, join the batch (prefill.py)."""
+    def _cached(self, req: GenerateRequest) -> KV | None:
+        """The cached KV of the longest prefix of ``req``'s prompt, if the cache holds one."""
+        if self.prefix_cache is None:
+            return None
+        req.cache_epoch = self.prefix_cache.epoch
+        if wants_input_logprobs(req):  # their logits are wanted: computed again
+            return None
+        hit = self.prefix_cache.match(req.lora_path, req.input_ids)
+        if hit is None:
+            return None
+        req.cached_tokens, kv = hit
+        return kv
+
+    def _prefill(self, reqs: list[GenerateRequest], past: KV | None = None) -> None:
+        """Run the prompts together, sample each first token, join the batch (prefill.py);
+        with ``past``, one request's prompt after its cached prefix (prefix_cache.py)."""
         if self.adapters is not None:
             self.adapters.select([r.adapter for r in reqs])
         try:
-            done = prefill(self.model, reqs, self.device)
+            if past is None:
+                done = prefill(self.model, reqs, self.device)
+            else:
+                done = prefill_continued(self.model, reqs[0], past, self.device)
         except Exception as exc:  # a bad prompt must not take the others down with it
+            if past is not None:
+                reqs[0].cached_tokens = 0
+                self._prefill(reqs)
+                return
             if len(reqs) > 1:
                 for req in reqs:
                     self._prefill([req])
@@ -534,30 +582,11 @@ class TorchEngine:
         keep = [i for i, r in enumerate(self._running) if r.finish is None]
         if len(keep) == len(self._running):
             return
+        if self.prefix_cache is not None:
+            finished = [i for i, r in enumerate(self._running) if r.finish is not None]
+            self.prefix_cache.keep_rows(self._cache, self._running, finished)
         self._running = [self._running[i] for i in keep]
         self._cache.keep(keep)
 
     def _response(self, req: GenerateRequest) -> dict[str, Any]:
         return generate_response(req, tokenizer=self.tokenizer, weight_version=self.weight_version)
-
-
-def load_model(
-    path: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
-) -> Any:
-    """Load a causal LM from a local directory, in eval mode."""
-    from transformers import AutoModelForCausalLM
-
-    if not Path(path).is_dir():
-        raise FileNotFoundError(f"{path} is not a directory")
-    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    return model.to(device).eval()
-
-
-def _check_same_shapes(old: Any, new: Any) -> None:
-    old_shapes = {k: tuple(v.shape) for k, v in old.state_dict().items()}
-    new_shapes = {k: tuple(v.shape) for k, v in new.state_dict().items()}
-    if old_shapes != new_shapes:
-        diff = sorted(set(old_shapes.items()) ^ set(new_shapes.items()))[:3]
-        raise ValueError(
-            f"the new weights do not match the served model's architecture (e.g. {diff})"
-        )

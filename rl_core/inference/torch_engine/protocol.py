@@ -188,6 +188,8 @@ class GenerateRequest:
         self.output_versions: list[str] = []  # the weight version that sampled each output token
         self.output_top: list[list[tuple[float, int]]] = []
         self.input_logprobs: list[tuple[float | None, int]] = []
+        self.cached_tokens = 0  # prompt tokens whose KV came from the prefix cache
+        self.cache_epoch = -1  # the prefix cache's epoch when it was prefilled
         self.finish: dict[str, Any] | None = None
         seed = params.sampling_seed if params.sampling_seed is not None else random.getrandbits(63)
         self.generator = torch.Generator().manual_seed(seed)
@@ -276,7 +278,7 @@ def generate_response(
         "finish_reason": finish,
         "prompt_tokens": len(req.input_ids),
         "completion_tokens": len(req.output_ids),
-        "cached_tokens": 0,
+        "cached_tokens": req.cached_tokens,
         # SGLang's per-token record: spans of output tokens by the version that produced them.
         "weight_versions": version_spans(req.output_versions, weight_version),
         "weight_version": req.output_versions[-1] if req.output_versions else weight_version,

@@ -239,12 +239,14 @@ async def slow_down(request: web.Request) -> web.Response:
 
 
 async def flush_cache(request: web.Request) -> web.Response:
-    # There is no prefix cache to flush; mirror SGLang's refusal while requests run.
-    state = request.app[ENGINE].snapshot()
+    """Empty the prefix cache; refused while requests run or wait, as SGLang refuses."""
+    engine = request.app[ENGINE]
+    state = engine.snapshot()
     if state["num_running_reqs"] or state["num_waiting_reqs"]:
         return web.Response(
             status=400, text="Cache not flushed: there are running or waiting requests.\n"
         )
+    await engine.call(engine.flush_prefix_cache)
     return web.Response(status=200, text="Cache flushed.\n")
 
 
@@ -287,6 +289,8 @@ async def unload_lora_adapter(request: web.Request) -> web.Response:
         adapter is not None and not adapter.idle.is_set()
     ):  # its requests finish (or are aborted) on their own
         await asyncio.to_thread(adapter.idle.wait, 1.0)
+    # The name may come back with other weights: its cached KV goes with it.
+    await engine.call(lambda: engine.flush_prefix_cache(name, everything=False))
     return _lora_answer(engine, None)
 
 

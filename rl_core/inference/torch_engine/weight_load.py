@@ -60,3 +60,25 @@ def read_staged(path: str, model: Any) -> dict[str, torch.Tensor]:
     if missing:  # a tied alias (lm_head of tied embeddings) shares a loaded tensor's memory
         raise NotStageable(f"{path} lacks tensors of the served model, e.g. {missing[:3]}")
     return staged
+
+
+def load_model(
+    path: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> Any:
+    """Load a causal LM from a local directory, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    if not Path(path).is_dir():
+        raise FileNotFoundError(f"{path} is not a directory")
+    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return model.to(device).eval()
+
+
+def check_same_shapes(old: Any, new: Any) -> None:
+    old_shapes = {k: tuple(v.shape) for k, v in old.state_dict().items()}
+    new_shapes = {k: tuple(v.shape) for k, v in new.state_dict().items()}
+    if old_shapes != new_shapes:
+        diff = sorted(set(old_shapes.items()) ^ set(new_shapes.items()))[:3]
+        raise ValueError(
+            f"the new weights do not match the served model's architecture (e.g. {diff})"
+        )
