@@ -230,6 +230,7 @@ class ChatTokenizer:
     _texts: OrderedDict = field(default_factory=OrderedDict, repr=False, compare=False)
     _texts_chars: int = field(default=0, repr=False, compare=False)
     _tool_support: ToolSupport | None = field(default=None, repr=False, compare=False)
+    _local: bool | None = field(default=None, repr=False, compare=False)  # see renders_locally
 
     PROMPT_CACHE_SIZE: ClassVar[int] = 2048
     TEXT_CACHE_CHARS: ClassVar[int] = 1 << 24  # remembered texts, in characters, at most
@@ -284,6 +285,45 @@ class ChatTokenizer:
                 results=self._probe(_PROBE_RESULT, None, _PROBE_TEXT),
             )
         return self._tool_support
+
+    def render_tail(
+        self, earlier: list[dict], later: list[dict], tools: list[dict] | None = None
+    ) -> tuple[str, str] | None:
+        """``(head, text)``: ``head`` is the rendering of a short stand-in for ``earlier`` (with
+        the generation prompt) and ``text`` that of the stand-in followed by ``later``. What
+        ``render(earlier + later)`` writes after ``render(earlier)`` and the answer that opens
+        ``later`` is what ``text`` writes after ``head`` and that answer: a session's turn
+        renders what it added, not the conversation so far. None when the template's
+        rendering of a message depends on more than the messages next to it
+        (``renders_locally``): then the whole conversation must be rendered."""
+        if not earlier or not self.renders_locally():
+            return None
+        context = stand_in(earlier)
+        return self.render(context, tools=tools), self.render(context + later, tools=tools)
+
+    def renders_locally(self) -> bool:
+        """Whether ``render_tail`` holds for this template: checked once, on probe
+        conversations (with and without a system message, with tool calls and results)."""
+        if self._local is None:
+            self._local = all(self._tail_agrees(*probe) for probe in _LOCALITY_PROBES)
+        return self._local
+
+    def _tail_agrees(self, earlier: list[dict], later: list[dict], tools: list | None) -> bool:
+        try:
+            head, whole = (
+                self.render(earlier, tools=tools),
+                self.render(earlier + later, tools=tools),
+            )
+            context = stand_in(earlier)
+            short = self.render(context, tools=tools)
+            longer = self.render(context + later, tools=tools)
+        except ChatTemplateError:
+            return False
+        return (
+            whole.startswith(head)
+            and longer.startswith(short)
+            and whole[len(head) :] == longer[len(short) :]
+        )
 
     def _probe(self, messages: list[dict], tools: list[dict] | None, needle: str = "") -> bool:
         try:
@@ -376,6 +416,55 @@ class ChatTokenizer:
         if known is not None and self.joins(known):
             return known + self.decode(more, skip_special_tokens=False)
         return self.decode(ids + more, skip_special_tokens=False)
+
+
+def stand_in(messages: list[dict]) -> list[dict]:
+    """A short conversation rendered like ``messages`` at its start and its end: the first
+    message (a system prompt, or the first user turn) and the last one or two, so that every
+    message keeps the parity of its position (templates that check that roles alternate do so
+    by index)."""
+    if len(messages) <= 3:
+        return list(messages)
+    return [messages[0], *messages[-1 - len(messages) % 2 :]]
+
+
+def _conversation(system: bool, pairs: int) -> list[dict]:
+    head = [{"role": "system", "content": "Be brief."}] if system else []
+    for i in range(pairs):
+        head += [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]
+    return [*head, {"role": "user", "content": "last"}]
+
+
+_PROBE_CALLED = {**_PROBE_CALL[1], "content": None}
+# (earlier, later, tools): ``later`` opens with the answer to ``earlier``, as a turn's does.
+_LOCALITY_PROBES: list[tuple[list[dict], list[dict], list | None]] = [
+    (
+        _conversation(True, 3),
+        [{"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}],
+        None,
+    ),
+    (
+        _conversation(False, 3),
+        [{"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}],
+        None,
+    ),
+    (
+        _conversation(False, 4),
+        [{"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}],
+        None,
+    ),
+    (
+        [
+            *_conversation(True, 2),
+            _PROBE_CALLED,
+            _PROBE_RESULT[2],
+            {"role": "assistant", "content": "r"},
+            {"role": "user", "content": "u2"},
+        ],
+        [_PROBE_CALLED, _PROBE_RESULT[2], {**_PROBE_RESULT[2], "content": "second"}],
+        [_PROBE_TOOL],
+    ),
+]
 
 
 @lru_cache(maxsize=16)

@@ -67,6 +67,15 @@ DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default when sampling_params has none
 IN_PROCESS_TRANSPORTS: dict[str, httpx.AsyncBaseTransport] = {}
 
 
+def _ids(input_ids: Sequence[int]) -> list[int]:
+    """A copy of ``input_ids`` as Python ints; a list of ints (the gateway's) is copied as it
+    is: the prompt of a long session's turn is thousands of ids, every turn."""
+    ids = list(input_ids)
+    if ids and not (type(ids[0]) is int and type(ids[-1]) is int):  # a tensor's, numpy's
+        ids = list(map(int, ids))
+    return ids
+
+
 @dataclass
 class _Progress:
     """One generation across its resumed segments: what was asked, what came back so far."""
@@ -104,7 +113,7 @@ class _Progress:
         max_new = params.get("max_new_tokens")
         return cls(
             rid=rid or new_hex(),
-            input_ids=list(map(int, input_ids)),  # a C loop: prompts grow with each turn
+            input_ids=_ids(input_ids),
             params=params,
             max_new_tokens=DEFAULT_MAX_NEW_TOKENS if max_new is None else int(max_new),
             return_logprob=return_logprob,

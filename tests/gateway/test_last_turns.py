@@ -14,7 +14,7 @@ import pytest
 from django.db import connection, transaction
 
 from webapp.accounts.keys import SESSION_KEY_PREFIX, generate_key
-from webapp.gateway import episodes, inflight, turns
+from webapp.gateway import earlier_turns, episodes, inflight, turns
 from webapp.gateway.last_turns import KnownTurn, LastTurns
 from webapp.gateway.models import Interaction
 from webapp.gateway.prompts import PreviousTurn
@@ -158,7 +158,11 @@ def _caller(agent, key: str) -> turns.Caller:
 
 def _from_row(caller: turns.Caller) -> tuple[PreviousTurn | None, tuple | None]:
     assert caller.known_turn is None and caller.last_turn is not None
-    return turns._last_turn(caller.last_turn)
+    return _run(
+        lambda cursor: earlier_turns.read_turn(
+            cursor, caller.session_id, caller.session_turns - 1, caller.last_turn
+        )
+    )
 
 
 @pytest.mark.django_db

@@ -43,19 +43,29 @@ def test_each_turn_extends_the_exact_tokens_of_the_last_and_reads_as_the_templat
         previous = next_previous
 
 
-def test_a_turn_renders_the_template_once(chat_tokenizer, monkeypatch):
+def test_a_turn_renders_what_it_added_not_the_conversation(chat_tokenizer, monkeypatch):
+    """Issue 36: at turn k the template renders a stand-in of at most three messages plus
+    what the turn added, twice, whatever k is; the tokens equal a whole rendering's."""
     tok = chat_tokenizer
+    assert tok.renders_locally()
     messages = [SYSTEM, {"role": "user", "content": "2+2?"}]
     _, previous, answer = turn(tok, messages, None, "4")
-    renders = []
+    for number in range(40):
+        messages = [*messages, answer, {"role": "user", "content": f"And {number}?"}]
+        _, previous, answer = turn(tok, messages, previous, str(number))
+    rendered: list[int] = []
     render = type(tok).render
     monkeypatch.setattr(
-        type(tok), "render", lambda self, *a, **k: renders.append(1) or render(self, *a, **k)
+        type(tok),
+        "render",
+        lambda self, msgs, **k: rendered.append(len(msgs)) or render(self, msgs, **k),
     )
-    prompt = build_prompt(
-        tok, [*messages, answer, {"role": "user", "content": "More?"}], None, previous
-    )
-    assert prompt.reused and len(renders) == 1
+    messages = [*messages, answer, {"role": "user", "content": "More?"}]
+    prompt = build_prompt(tok, messages, None, previous)
+    assert prompt.reused and len(messages) == 84
+    assert rendered == [2, 4]  # the stand-in (first, last), then with the answer and question
+    monkeypatch.undo()
+    assert tok.decode(prompt.input_ids, skip_special_tokens=False) == tok.render(messages)
 
 
 def test_an_answer_the_template_writes_differently_is_rendered_afresh(chat_tokenizer):

@@ -46,7 +46,7 @@ class ChatRequest:
     def fingerprint(self) -> str:
         """Identifies a re-sent request (an SDK retry): same messages, tools and sampling settings."""
         payload = {
-            "messages": [normalize_message(m) for m in self.messages],
+            "messages": [_normal(m) for m in self.messages],
             "tools": self.tools,
             "sampling": [
                 self.max_tokens,
@@ -148,6 +148,12 @@ def _messages(body: dict) -> list[dict]:
             "'messages' must be a non-empty list.", param="messages", code="invalid_type"
         )
     for i, message in enumerate(messages):
+        if (
+            type(message) is dict
+            and type(message.get("content")) is str
+            and (message.get("role") in ROLES and message.get("tool_calls") is None)
+        ):
+            continue  # the common message, checked in one line (a long session sends hundreds)
         param = f"messages[{i}]"
         if not isinstance(message, dict):
             raise bad_request(f"{param} must be an object.", param=param, code="invalid_type")
@@ -332,6 +338,13 @@ def content_text(content: Any) -> str:
     if isinstance(content, str):
         return content
     return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+
+
+def _normal(message: dict) -> dict:
+    """``normalize_message``, without building a copy of a message already in that form."""
+    if len(message) == 2 and type(message.get("content")) is str and "role" in message:
+        return message
+    return normalize_message(message)
 
 
 def normalize_message(message: dict) -> dict:

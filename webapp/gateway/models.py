@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import uuid
+from collections import defaultdict
 
 from django.db import models
+from django.db.models.query import ModelIterable
 from django.utils import timezone
 
 from rl_core.sampling import TurnSampling
+from webapp.gateway import deltas
 
 
 class InferenceServer(models.Model):
@@ -125,8 +128,47 @@ class TrainingRecord(models.Model):
         return f"{self.session_id}@v{self.version}"
 
 
+_WHOLE_COLUMNS = ("turn", "prefix_turn", "prefix_choice", "messages", "input_ids", "outputs")
+
+
+class InteractionQuerySet(models.QuerySet):
+    """Turns come whole: a turn stored as what it added (``webapp.gateway.deltas``) is put
+    together with the turns it continues, read in one more statement per session when the
+    query did not load them. A row whose messages, ids or outputs were deferred stays as
+    stored; ``values()`` and ``iterator()`` give rows as stored."""
+
+    def _fetch_all(self):
+        super()._fetch_all()
+        if self._iterable_class is ModelIterable and self._result_cache:
+            make_whole(self._result_cache)
+
+
+def make_whole(rows: list[Interaction]) -> None:
+    """Give each turn of ``rows`` its whole conversation (in place), reading the earlier turns
+    of its session that ``rows`` lack."""
+    sessions: defaultdict = defaultdict(list)
+    for row in rows:
+        if not {"messages", "input_ids", "outputs"} & row.get_deferred_fields():
+            sessions[row.session_id].append(row)
+    for session_id, held in sessions.items():
+        stored = [
+            r.turn for r in held if r.prefix_turn is not None and not getattr(r, "_whole", False)
+        ]
+        if not stored:
+            continue
+        missing = (
+            Interaction.objects.filter(session_id=session_id, turn__lt=max(stored))
+            .exclude(turn__in=[r.turn for r in held])
+            .values_list(*_WHOLE_COLUMNS)
+        )
+        deltas.expand([*held, *(deltas.TurnRow(*values) for values in missing)])
+
+
 class Interaction(models.Model):
-    """One chat completion: the exact tokens in and out, with logprobs and policy versions."""
+    """One chat completion: the exact tokens in and out, with logprobs and policy versions.
+
+    A turn that continues an earlier one is stored as what it added and read whole
+    (``prefix_turn``; ``InteractionQuerySet``); saving a whole turn stores it whole."""
 
     id = models.CharField(primary_key=True, max_length=64)  # the response id, "chatcmpl-..."
     session = models.ForeignKey(Session, on_delete=models.CASCADE, related_name="interactions")
@@ -141,7 +183,18 @@ class Interaction(models.Model):
     top_p = models.FloatField(default=1.0)
     top_k = models.IntegerField(default=-1, help_text="-1: no top-k.")
     input_ids = models.JSONField(
-        help_text="The whole prompt as token ids (earlier turns included)."
+        help_text="The prompt as token ids: the whole prompt, or with prefix_turn only what "
+        "follows that turn's prompt and answer."
+    )
+    # A turn whose prompt continues an earlier turn's exact tokens stores only what it added,
+    # so a long session's rows stay the size of a turn (issue 36): its messages after that
+    # turn's messages, its input_ids after that turn's input_ids and its answer (choice
+    # prefix_choice). ``webapp.gateway.deltas`` puts the whole conversation back together.
+    prefix_turn = models.PositiveIntegerField(
+        null=True, blank=True, help_text="The turn this one's prompt continues; None: stored whole."
+    )
+    prefix_choice = models.PositiveSmallIntegerField(
+        null=True, blank=True, help_text="Which of prefix_turn's choices it continues."
     )
     prefix_reused = models.BooleanField(
         default=False, help_text="Prompt extends the previous turn's exact tokens."
@@ -159,6 +212,8 @@ class Interaction(models.Model):
     latency_ms = models.FloatField(default=0.0)
     created_at = models.DateTimeField(default=timezone.now)
 
+    objects = InteractionQuerySet.as_manager()
+
     class Meta:
         ordering = ["session", "turn"]
         constraints = [
@@ -167,6 +222,16 @@ class Interaction(models.Model):
 
     def __str__(self) -> str:
         return self.id
+
+    def save(self, *args, **kwargs):
+        if getattr(self, "_whole", False):  # holds the whole conversation: stored so
+            self.prefix_turn = self.prefix_choice = None
+        super().save(*args, **kwargs)
+
+    def refresh_from_db(self, *args, **kwargs):
+        super().refresh_from_db(*args, **kwargs)
+        self._whole = False
+        make_whole([self])
 
     @staticmethod
     def sampling_columns(params: dict | None) -> dict:

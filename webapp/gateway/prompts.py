@@ -4,9 +4,11 @@ Within a session, when the new messages are the previous turn's messages plus th
 answer Steep returned plus new messages, the prompt is the previous turn's exact
 token stream (prompt + generated ids) followed by the rendering of only the new
 part. The trajectory is then the literal stream the model saw and produced, and a
-turn costs O(new tokens) to tokenize. When the messages do not extend the last turn but an
+turn costs O(new tokens) to tokenize and, for a template whose rendering is local (most are:
+``ChatTokenizer.renders_locally``), to render: the new part is rendered after a short stand-in
+for the conversation, not after the conversation itself. When the messages do not extend the last turn but an
 earlier one (a sub-agent's branch, or a fork; ``webapp.gateway.branches``), that turn's tokens
-are reused the same way (``turns.branch_parent`` finds it). Otherwise the messages are
+are reused the same way (``earlier_turns.branch_parent`` finds it). Otherwise the messages are
 rendered afresh and the interaction records ``prefix_reused=False``.
 """
 
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 
 from rl_core.chat import ChatTokenizer
 from webapp.gateway.chat_request import normalize_message, storable_text
+from webapp.gateway.deltas import Prefix
 
 
 @dataclass
@@ -25,6 +28,7 @@ class PreviousTurn:
     input_ids: list[int]
     choices: list[dict]  # per choice: {"output_ids": [...], "message": {...as returned}}
     key: str | None = None  # its interaction id, under which its prompt's text may be remembered
+    turn: int | None = None  # its number in the session
 
 
 @dataclass
@@ -32,6 +36,7 @@ class Prompt:
     input_ids: list[int]
     reused: bool
     chosen: int | None = None  # which choice of the previous turn the conversation continued with
+    prefix: Prefix | None = None  # the turn it continues, for storing only what it added
 
 
 def build_prompt(
@@ -93,20 +98,56 @@ def extend_prompt(
     if chosen is None:
         return None
     output_ids = list(previous.choices[chosen]["output_ids"])
-    decoded = tok.decode_continued(previous.key, previous.input_ids, output_ids)
-    # As stored and returned: a generated NUL reads as U+FFFD in the answer the agent echoes.
-    seen = storable_text(decoded)
-    full = tok.render(messages, tools=tools, add_generation_prompt=True)
-    if not full.startswith(seen) and tok.special_ids.intersection(output_ids):
-        seen = storable_text(shown_text(tok, previous, output_ids, full))
-    if not full.startswith(seen):
-        return Prompt(input_ids=tok.encode(full), reused=False, chosen=chosen)
-    added = tok.encode(full[len(seen) :])
+    prompt_text = tok.decode_continued(previous.key, previous.input_ids, [])
+    added = None
+    if tok.joins(prompt_text):
+        decoded = prompt_text + tok.decode(output_ids, skip_special_tokens=False)
+        added = _added_by_tail(tok, messages, tools, previous, decoded[len(prompt_text) :])
+    else:
+        decoded = tok.decode(previous.input_ids + output_ids, skip_special_tokens=False)
+    if added is None:
+        # As stored and returned: a generated NUL reads as U+FFFD in the answer the agent echoes.
+        seen = storable_text(decoded)
+        full = tok.render(messages, tools=tools, add_generation_prompt=True)
+        if not full.startswith(seen) and tok.special_ids.intersection(output_ids):
+            seen = storable_text(shown_text(tok, previous, output_ids, full))
+        if not full.startswith(seen):
+            return Prompt(input_ids=tok.encode(full), reused=False, chosen=chosen)
+        added = tok.encode(full[len(seen) :])
     input_ids = previous.input_ids + output_ids + added
     if key is not None and tok.joins(decoded):
         text = decoded + tok.decode(added, skip_special_tokens=False)
         tok.remember_text(key, len(input_ids), text)
-    return Prompt(input_ids=input_ids, reused=True, chosen=chosen)
+    prefix = None
+    if previous.turn is not None:
+        prefix = Prefix(
+            previous.turn, chosen, len(previous.messages), len(previous.input_ids) + len(output_ids)
+        )
+    return Prompt(input_ids=input_ids, reused=True, chosen=chosen, prefix=prefix)
+
+
+def _added_by_tail(
+    tok: ChatTokenizer,
+    messages: list[dict],
+    tools: list[dict] | None,
+    previous: PreviousTurn,
+    answer: str,
+) -> list[int] | None:
+    """The ids of what the template writes after the previous prompt and the ``answer`` text,
+    from a rendering of a stand-in for the earlier conversation and what this turn added
+    (``ChatTokenizer.render_tail``): the work of a turn does not grow with the session. The
+    earlier messages were compared with the previous turn's by what reaches the model
+    (``continued_choice``); the answer must render as the model wrote it. None where this
+    cannot be used (a template whose rendering is not local, an answer echoed otherwise): the
+    caller renders the whole conversation and checks it."""
+    tail = tok.render_tail(previous.messages, messages[len(previous.messages) :], tools)
+    if tail is None:
+        return None
+    head, text = tail
+    seen = storable_text(head + answer)
+    if not text.startswith(seen):
+        return None
+    return tok.encode(text[len(seen) :])
 
 
 def shown_text(tok: ChatTokenizer, previous: PreviousTurn, output_ids: list[int], full: str) -> str:

@@ -21,7 +21,7 @@ from typing import Any
 
 from webapp.accounts.auth import bearer_token
 from webapp.agents.models import Agent
-from webapp.gateway import sql, turns
+from webapp.gateway import earlier_turns, sql, turns
 from webapp.gateway.chat_events import chat_turn, final_completion
 from webapp.gateway.completions import Reply, in_lane, parse_json_body
 from webapp.gateway.errors import GatewayError, bad_request
@@ -88,7 +88,8 @@ def previous_conversation(*, token: str | None, agent_id: str, response_id: str)
     def operation(cursor) -> list[dict]:
         caller = turns.authenticate(cursor, token=token, agent_id=agent_id)
         statement = (
-            f"SELECT i.messages, i.response, i.chosen FROM {Interaction._meta.db_table} i"
+            f"SELECT i.messages, i.response, i.chosen, i.prefix_turn, i.session_id, i.turn"
+            f" FROM {Interaction._meta.db_table} i"
             f" JOIN {Session._meta.db_table} s ON s.id = i.session_id"
             " WHERE i.id = %s AND s.agent_id = %s"
         )
@@ -105,8 +106,11 @@ def previous_conversation(*, token: str | None, agent_id: str, response_id: str)
                 code="previous_response_not_found",
                 param="previous_response_id",
             )
-        response = sql.loads(row[1])
-        return [*sql.loads(row[0]), response["choices"][int(row[2] or 0)]["message"]]
+        response, messages = sql.loads(row[1]), sql.loads(row[0])
+        if row[3] is not None:  # stored as what it added: read whole (webapp.gateway.deltas)
+            whole = earlier_turns.whole_turn(cursor, row[4], int(row[5]))
+            messages = whole.messages if whole is not None else messages
+        return [*messages, response["choices"][int(row[2] or 0)]["message"]]
 
     return operation
 

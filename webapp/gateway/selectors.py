@@ -14,7 +14,7 @@ from rl_core.types import Trajectory
 from webapp import ratelimit
 from webapp.accounts.models import Project
 from webapp.accounts.selectors import parse_uuid
-from webapp.gateway import admission, branches
+from webapp.gateway import admission, branches, deltas
 from webapp.gateway.models import InferenceServer, Interaction, Session
 from webapp.runs.models import Run
 
@@ -80,7 +80,10 @@ def session_get(*, project: Project, session_id) -> Session:
 
 
 def session_interactions(*, session: Session) -> list[Interaction]:
-    return list(session.interactions.order_by("turn"))
+    """The session's turns in order, each with its whole conversation (``deltas.expand``)."""
+    turns = list(session.interactions.order_by("turn"))
+    deltas.expand(turns)
+    return turns
 
 
 def interaction_list(*, project: Project, agent_id=None, run_id=None) -> QuerySet[Interaction]:
@@ -114,15 +117,10 @@ def session_trajectories(
     output token carries its turn's logprob temperature (``rl_core.sampling``);
     ``temperatures`` is None when all are 1.0.
     """
-    turns = [
-        turn
-        for turn in (
-            interactions
-            if interactions is not None
-            else list(session.interactions.order_by("turn"))
-        )
-        if not turn.aborted
-    ]
+    if interactions is None:
+        interactions = list(session.interactions.order_by("turn"))
+    deltas.expand(interactions)
+    turns = [turn for turn in interactions if not turn.aborted]
     kept, _ = branches.drop_retry_orphans(branches.conversation_tree(turns))
     sequences: list[list[branches.Node]] = []
     for branch in branches.branches(kept):

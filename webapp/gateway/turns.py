@@ -33,12 +33,11 @@ from webapp.accounts.keys import SESSION_KEY_PREFIX, hash_key
 from webapp.accounts.models import APIKey
 from webapp.accounts.services import LAST_USED_RESOLUTION
 from webapp.agents.models import Agent
-from webapp.gateway import admission, lifecycle, sql
-from webapp.gateway.chat_request import normalize_message
+from webapp.gateway import admission, deltas, earlier_turns, lifecycle, sql
 from webapp.gateway.errors import GatewayError
 from webapp.gateway.last_turns import LAST_TURNS, KnownTurn
 from webapp.gateway.models import Interaction, Session
-from webapp.gateway.prompts import PreviousTurn, continued_choice
+from webapp.gateway.prompts import PreviousTurn
 from webapp.runs.models import Run
 
 REPLAY_WINDOW = timedelta(minutes=10)  # how long a one-turn completion answers an SDK retry
@@ -52,7 +51,10 @@ def _session_key_statement(last_turn: bool, known: bool = False) -> str:
     """The session key's session, agent and run; with ``last_turn``, the session's last turn;
     with ``known``, only when the session is not the one of the first parameter at the turn
     count of the second (a turn this process holds: ``webapp.gateway.last_turns``)."""
-    turn_columns = ", t.request_hash, t.messages, t.tools, t.input_ids, t.outputs, t.response, t.id"
+    turn_columns = (
+        ", t.request_hash, t.messages, t.tools, t.input_ids, t.outputs, t.response, t.id,"
+        " t.prefix_turn"
+    )
     turn_join = (
         f" LEFT JOIN {_INTERACTIONS} t ON t.session_id = s.id AND t.turn = s.interaction_count - 1"
     )
@@ -98,7 +100,7 @@ class Caller:
     session_status: str | None = None
     session_server: str = ""
     session_turns: int = 0
-    # request_hash, messages, tools, input_ids, outputs, response, id
+    # request_hash, messages, tools, input_ids, outputs, response, id, prefix_turn
     last_turn: tuple | None = None
     known_turn: KnownTurn | None = None  # the last turn as this process recorded it
 
@@ -323,7 +325,9 @@ def begin(*, token: str | None, agent_id, fingerprint: str, is_retry: bool):
             previous, last = (
                 (known.previous, (known.request_hash, known.response))
                 if known is not None
-                else _last_turn(caller.last_turn)
+                else earlier_turns.read_turn(
+                    cursor, caller.session_id, caller.session_turns - 1, caller.last_turn
+                )
             )
             if last is not None and last[0] == fingerprint:
                 # An SDK retry of the last turn: same answer, nothing recorded twice.
@@ -340,81 +344,6 @@ def begin(*, token: str | None, agent_id, fingerprint: str, is_retry: bool):
         # The one-turn session's row is written with its interaction (``record``); until
         # then only its admission slot exists (``discard`` gives it back).
         return Turn(caller, run, new_uuid(), True, "")
-
-    return operation
-
-
-def _last_turn(row: tuple | None) -> tuple[PreviousTurn | None, tuple[str, dict] | None]:
-    """A turn as read by ``authenticate(..., last_turn=True)`` or ``branch_parent``: its
-    request_hash, messages, tools, input_ids, outputs, response and id; returns the
-    ``PreviousTurn`` and (request_hash, response)."""
-    if row is None:
-        return None, None
-    response = sql.loads(row[5])
-    previous = _previous_turn(
-        sql.loads(row[1]), sql.loads(row[2]), sql.loads(row[3]), sql.loads(row[4]), response, row[6]
-    )
-    return previous, (row[0], response)
-
-
-def _previous_turn(messages, tools, input_ids, outputs, response: dict, key: str) -> PreviousTurn:
-    """A recorded turn as the next one continues it: per choice, its ids and message."""
-    return PreviousTurn(
-        messages=messages,
-        tools=tools,
-        input_ids=input_ids,
-        choices=[
-            {"output_ids": out["output_ids"], "message": choice["message"]}
-            for out, choice in zip(outputs, response["choices"], strict=True)
-        ],
-        key=key,
-    )
-
-
-BRANCH_CANDIDATES = 16  # how many earlier turns a branch's parent is looked for among
-
-
-def branch_parent(*, session_id, last_turn: int, messages: list, tools):
-    """The operation that finds the turn a request continues when it does not continue the
-    session's last turn (``last_turn``): a parallel sub-agent's own conversation, or a fork.
-
-    Only this rarer path pays for it: among the ``BRANCH_CANDIDATES`` turns before the last,
-    the one whose conversation (messages and an answer) ``messages`` extend the furthest, the
-    latest of equals. A first statement reads each candidate's message count and answers only
-    (not its tokens), which finds the candidates whose answer sits where ``messages`` continue;
-    the best of those is then read whole and checked. Returns a ``PreviousTurn`` or None.
-    """
-
-    def operation(cursor) -> PreviousTurn | None:
-        session_pk = sql.pk(cursor, Session, session_id)
-        count = "json_array_length" if cursor.db.vendor == "sqlite" else "jsonb_array_length"
-        cursor.execute(
-            f"SELECT turn, {count}(messages), response FROM {_INTERACTIONS}"
-            " WHERE session_id = %s AND turn < %s ORDER BY turn DESC LIMIT %s",
-            [session_pk, last_turn, BRANCH_CANDIDATES],
-        )
-        answers: dict[int, dict] = {}  # normalised messages[k], computed once per k
-        candidates = []
-        for turn, length, response in cursor.fetchall():
-            k = int(length or 0)
-            if k >= len(messages) or not isinstance(messages[k], dict):
-                continue
-            answer = answers.setdefault(k, normalize_message(messages[k]))
-            choices = (sql.loads(response) or {}).get("choices") or []
-            if any(normalize_message(c.get("message") or {}) == answer for c in choices):
-                candidates.append((k, int(turn)))
-        for _, turn in sorted(candidates, reverse=True):  # the longest, then the latest
-            cursor.execute(
-                f"SELECT request_hash, messages, tools, input_ids, outputs, response, id"
-                f" FROM {_INTERACTIONS} WHERE session_id = %s AND turn = %s",
-                [session_pk, turn],
-            )
-            candidate, _ = _last_turn(cursor.fetchone())
-            if candidate is None or (tools or None) != (candidate.tools or None):
-                continue
-            if continued_choice(messages, candidate) is not None:
-                return candidate
-        return None
 
     return operation
 
@@ -447,8 +376,10 @@ def record(
     server_url: str,
     latency_ms: float,
     previous_chosen: int | None,
+    prefix: deltas.Prefix | None = None,
 ):
-    """The operation that stores one turn; returns a ``Recorded``: the response to send (the
+    """The operation that stores one turn (with ``prefix``, only what it added to that turn:
+    ``webapp.gateway.deltas``); returns a ``Recorded``: the response to send (the
     original's, for a retry that overlapped it) and, for a session's turn, the turn as the next
     one continues it (``remember`` it once the operation is committed)."""
 
@@ -469,11 +400,10 @@ def record(
                 "session": turn.session_id,
                 "turn": number,
                 "request_hash": request_hash,
-                "messages": messages,
+                **deltas.stored(prefix if not turn.opened else None, messages, input_ids),
                 "tools": tools,
                 "sampling": sampling,
                 **Interaction.sampling_columns(sampling),
-                "input_ids": input_ids,
                 "prefix_reused": prefix_reused,
                 "outputs": outputs,
                 "chosen": 0,
@@ -503,7 +433,9 @@ def record(
             # What the session's next turn continues, as the row holds it. The answers' ids are
             # copied: a stream's choice still owns its list.
             kept = [{"output_ids": list(out["output_ids"])} for out in outputs]
-            previous = _previous_turn(messages, tools, input_ids, kept, response, interaction_id)
+            previous = earlier_turns.previous_turn(
+                messages, tools, input_ids, kept, response, interaction_id, number
+            )
             known = KnownTurn(turn.session_id, number + 1, previous, request_hash, response)
             return Recorded(response, known)
         return Recorded(response)

@@ -21,7 +21,7 @@ from django.utils import timezone
 
 from rl_core.chat import load_chat_tokenizer
 from rl_core.reward_specs import reward_setting
-from webapp.gateway import lifecycle
+from webapp.gateway import deltas, lifecycle
 from webapp.gateway.models import InferenceServer, Interaction, Session
 from webapp.rewards import judge
 from webapp.rewards.models import Feedback, JudgeCall, JudgeVerdict, RewardRequest
@@ -90,8 +90,11 @@ def reward_requests_open(*, now: datetime | None = None, limit: int = 500) -> in
 
 
 def _last_turn(session: Session) -> Interaction | None:
-    turns = [t for t in session.interactions.order_by("-turn") if not t.aborted]
-    return turns[0] if turns else None
+    """The session's last turn that was not aborted, with its whole conversation."""
+    turns = list(session.interactions.order_by("turn"))
+    deltas.expand(turns)
+    kept = [t for t in turns if not t.aborted]
+    return kept[-1] if kept else None
 
 
 def _answer_text(turn: Interaction) -> str:
