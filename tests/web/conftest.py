@@ -47,6 +47,7 @@ def _logprobs(n: int, turn: int) -> list[float]:
 def make_session(db, chat_tokenizer) -> Callable[..., Any]:
     from django.utils import timezone
 
+    from webapp.gateway import deltas
     from webapp.gateway.models import Interaction, Session
 
     tok = chat_tokenizer
@@ -65,7 +66,10 @@ def make_session(db, chat_tokenizer) -> Callable[..., Any]:
         metadata: dict | None = None,
         one_turn: bool = False,
         admitted_version: int = 0,
+        stored_as_added: bool = False,
     ):
+        """``stored_as_added``: a turn that continues the last one stores only what it added,
+        as the gateway writes it (``webapp.gateway.deltas``)."""
         clock["now"] += timedelta(minutes=1)
         created = clock["now"]
         session = Session.objects.create(
@@ -85,6 +89,7 @@ def make_session(db, chat_tokenizer) -> Callable[..., Any]:
         )
         messages: list[dict] = []
         previous: list[int] | None = None
+        sent: list[dict] = []  # the last turn's messages
         for index, turn in enumerate(turns):
             messages = (
                 list(turn["messages"]) if turn.get("rewrite") else messages + turn["messages"]
@@ -93,14 +98,16 @@ def make_session(db, chat_tokenizer) -> Callable[..., Any]:
             output_ids = tok.encode(turn["answer"]) + [im_end]
             reused = previous is not None and input_ids[: len(previous)] == previous
             iid = f"chatcmpl-{session.id.hex[:8]}{index:04d}"
+            prefix = None
+            if stored_as_added and reused and not turn.get("rewrite"):
+                prefix = deltas.Prefix(index - 1, 0, len(sent), len(previous or []))
             Interaction.objects.create(
                 id=iid,
                 session=session,
                 turn=index,
                 request_hash=f"{iid}-hash",
-                messages=messages,
+                **deltas.stored(prefix, messages, input_ids),
                 sampling={"max_new_tokens": 256, "temperature": 1.0, "n": 1},
-                input_ids=input_ids,
                 prefix_reused=reused,
                 outputs=[
                     {
@@ -132,6 +139,7 @@ def make_session(db, chat_tokenizer) -> Callable[..., Any]:
                 latency_ms=120.0 + index,
                 created_at=created + timedelta(seconds=index),
             )
+            sent = messages
             messages = messages + [{"role": "assistant", "content": turn["answer"]}]
             previous = input_ids + output_ids
         return session

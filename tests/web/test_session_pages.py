@@ -375,3 +375,40 @@ def test_session_page_marks_an_aborted_turn_as_not_trained(member_client, world)
     turn.save(update_fields=["outputs"])
     body = page(member_client, session_url(world.project, world.live))
     assert "aborted, not trained" in body and "(abort)" in body
+
+
+def test_a_long_session_stored_as_added_shows_its_turns_a_page_at_a_time(
+    member_client, world, make_session
+):
+    """Issue 36: 45 turns, each stored as what it added, are shown twenty to a page (the latest
+    page by default), each with the prompt tokens it added, as a session stored whole is."""
+    turns = [
+        {
+            "messages": [USER | {"content": f"Question {i}?"}],
+            "answer": f"Answer {i}.",
+            "versions": 2,
+        }
+        for i in range(45)
+    ]
+    long = make_session(world.agent, turns, stored_as_added=True)
+    whole = make_session(world.agent, turns)
+    stored = list(long.interactions.values_list("prefix_turn", flat=True).order_by("turn"))
+    assert stored == [None, *range(44)]  # really stored as added
+
+    last = page(member_client, session_url(world.project, long))
+    assert re.findall(r'id="turn-(\d+)"', last) == [str(t) for t in range(40, 45)]
+    assert "45 turns · showing 40–44" in last
+    assert '<a href="?page=1">0–19</a>' in last and '<b aria-current="page">40–44</b>' in last
+    first = page(member_client, session_url(world.project, long) + "?page=1")
+    assert re.findall(r'id="turn-(\d+)"', first) == [str(t) for t in range(20)]
+    fallback = page(member_client, session_url(world.project, long) + "?page=x")
+    assert re.findall(r'id="turn-(\d+)"', fallback) == [str(t) for t in range(40, 45)]
+    for number in ("1", "2", "3"):
+        body = page(member_client, session_url(world.project, long) + f"?page={number}")
+        same = page(member_client, session_url(world.project, whole) + f"?page={number}")
+        assert PROMPT.findall(body) == PROMPT.findall(same)
+        assert re.findall(r"\d+ new of \d+", body) == re.findall(r"\d+ new of \d+", same)
+        assert token_spans(body) == token_spans(same)
+    turn30 = page(member_client, session_url(world.project, long) + "?page=2")
+    turn30 = turn30[turn30.index('id="turn-30"') : turn30.index('id="turn-31"')]
+    assert "Question 30?" in turn30 and "Question 29?" not in turn30

@@ -174,27 +174,70 @@ def _prompt(input_ids: list[int], stream: list[int], decode) -> PromptTokens:
     return PromptTokens(list(zip(new, texts, strict=False)), len(input_ids))
 
 
-def conversation(interactions, *, decode: Callable[[list[int]], list[str]] | None) -> list[Turn]:
+TURNS_PER_PAGE = 20
+
+
+@dataclass(frozen=True)
+class Page:
+    """Which of a session's ``turns`` the page shows: page ``number`` of ``count`` pages of
+    ``TURNS_PER_PAGE``, turns ``first`` to ``last`` (indexes in the session's turns)."""
+
+    number: int
+    count: int
+    first: int
+    last: int
+    turns: int
+
+    @classmethod
+    def of(cls, turns: int, requested: str | None) -> Page:
+        """The requested page (1-based), else the last one: the latest turns of a live session."""
+        count = max(1, -(-turns // TURNS_PER_PAGE))
+        try:
+            number = min(max(int(requested or count), 1), count)
+        except ValueError:
+            number = count
+        first = (number - 1) * TURNS_PER_PAGE
+        return cls(number, count, first, min(first + TURNS_PER_PAGE, turns) - 1, turns)
+
+    def links(self) -> list[dict]:
+        """Every page as {number, label (its turns, "20–39"), current}."""
+        return [
+            {
+                "number": n,
+                "label": f"{(n - 1) * TURNS_PER_PAGE}–{min(n * TURNS_PER_PAGE, self.turns) - 1}",
+                "current": n == self.number,
+            }
+            for n in range(1, self.count + 1)
+        ]
+
+
+def conversation(
+    interactions, *, decode: Callable[[list[int]], list[str]] | None, page: Page | None = None
+) -> list[Turn]:
+    """The turns of ``page`` (all of them without one) ready to show. Only the shown turns'
+    tokens are decoded: a long session's page costs what its twenty turns do."""
     colours = _colours(interactions)
+    first, last = (page.first, page.last) if page is not None else (0, len(interactions) - 1)
     turns, previous, stream = [], None, []
-    for interaction in interactions:
-        messages, full = new_messages(previous, interaction.messages or [])
-        previous = interaction.messages
+    for index, interaction in enumerate(interactions):
         outputs = interaction.outputs or [{}]
         chosen = interaction.chosen if interaction.chosen < len(outputs) else 0
-        choices = [_choice(i, out, decode, colours) for i, out in enumerate(outputs)]
-        input_ids = list(interaction.input_ids or [])
-        turns.append(
-            Turn(
-                interaction=interaction,
-                messages=[_printable(m) for m in messages if isinstance(m, dict)],
-                full_history=full,
-                answer=choices[chosen],
-                prompt=_prompt(input_ids, stream, decode),
-                other_choices=[c for c in choices if c.index != chosen],
+        input_ids = interaction.input_ids or []
+        if first <= index <= last:
+            messages, full = new_messages(previous, interaction.messages or [])
+            choices = [_choice(i, out, decode, colours) for i, out in enumerate(outputs)]
+            turns.append(
+                Turn(
+                    interaction=interaction,
+                    messages=[_printable(m) for m in messages if isinstance(m, dict)],
+                    full_history=full,
+                    answer=choices[chosen],
+                    prompt=_prompt(list(input_ids), stream, decode),
+                    other_choices=[c for c in choices if c.index != chosen],
+                )
             )
-        )
-        stream = input_ids + list(outputs[chosen].get("output_ids") or [])
+        previous = interaction.messages
+        stream = [*input_ids, *(outputs[chosen].get("output_ids") or [])]
     return turns
 
 

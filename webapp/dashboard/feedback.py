@@ -66,7 +66,9 @@ def session_feedback(request, project_id, session_id):
     if not _wants_fragment(request):
         return redirect("dashboard:session", project.id, session.id)
     session = session_get(project=project, session_id=session_id)  # its new reward total
-    context = session_context(project, session) | {"feedback_error": error}
+    context = session_context(project, session, request.POST.get("page")) | {
+        "feedback_error": error
+    }
     return render(request, "dashboard/_session_live.html", context, status=400 if error else 200)
 
 

@@ -445,15 +445,18 @@ def agent_detail(request, project_id, agent_id):
 # --- Sessions -----------------------------------------------------------------------------
 
 
-def session_context(project, session) -> dict:
-    """What the session page and its live fragment show (the feedback views render it too)."""
+def session_context(project, session, page: str | None = None) -> dict:
+    """What the session page and its live fragment show (the feedback views render it too):
+    one page of its turns (``?page=``; the latest by default)."""
     interactions = session_interactions(session=session)
     decode = conversation.token_decoder(session.run.base_model) if session.run else None
+    shown = conversation.Page.of(len(interactions), page)
     return {
         "project": project,
         "tab": "agents" if session.agent_id else "runs",
         "session": session,
-        "turns": conversation.conversation(interactions, decode=decode),
+        "turns": conversation.conversation(interactions, decode=decode, page=shown),
+        "page": shown,
         "legend": conversation.legend(interactions),
         "metadata_json": json.dumps(session.metadata, indent=2, sort_keys=True),
         "decoded": decode is not None,
@@ -464,7 +467,9 @@ def session_context(project, session) -> dict:
 @login_required
 def session_detail(request, project_id, session_id):
     project = _project(request, project_id)
-    context = session_context(project, session_get(project=project, session_id=session_id))
+    context = session_context(
+        project, session_get(project=project, session_id=session_id), request.GET.get("page")
+    )
     return _render(
         request, "dashboard/session_detail.html", "dashboard/_session_live.html", context
     )
