@@ -165,8 +165,17 @@ def measure(
         if len(samples) > 1
         else float("nan")
     )
+    mismatch = {
+        name: statistics.mean(p["value"] for p in points)
+        for name in CORRECTION_METRICS
+        if (points := _metric(rest, run["id"], name))
+    }
     return {
         "backend": backend,
+        "serving_dtype": env.get("STEEP_VLLM_CPU_DTYPE", "float32")
+        if backend == "vllm"
+        else "float32",
+        "mismatch": mismatch,
         "reward_curve": curve,
         "max_staleness": staleness,
         "steps": steps,
@@ -178,6 +187,19 @@ def measure(
         "reward_first5": statistics.mean(rewards[:5]) if rewards else float("nan"),
         "reward_last5": statistics.mean(rewards[-5:]) if rewards else float("nan"),
     }
+
+
+# The training-inference mismatch each step measures (rl_core.correction), averaged over steps.
+CORRECTION_METRICS = (
+    "correction/log_ratio_mean",
+    "correction/log_ratio_p01",
+    "correction/log_ratio_p99",
+    "correction/kl_k3",
+    "correction/masked_tokens/cap_mask",
+    "correction/capped_tokens/truncate",
+    "correction/masked_tokens/token_band",
+    "correction/masked_seqs/sequence_reject",
+)
 
 
 def _servers(database: Path, run_id: str) -> list[str]:
@@ -208,6 +230,19 @@ def table(results: list[dict], steps: int) -> str:
         lines.append(
             f"| {r['backend']} | {r['max_staleness']} | {r['wall_s']:.1f} | {r['trajectories_trained']} | {r['trajectories_per_s']:.1f} | "
             f"{r['weight_update_s']:.3f} | {r['inference_utilisation']:.0%} | {r['reward_first5']:.2f} → {r['reward_last5']:.2f} |"
+        )
+    lines += [
+        "",
+        "Training-inference mismatch, mean over steps (`correction/` metrics; w = exp(p - b)):",
+        "",
+        "| backend | serving dtype | log w mean | log w p01 | log w p99 | KL k3 | cap_mask masks | truncate caps | token_band masks | sequence_reject masks (seqs) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        m = [r["mismatch"].get(name, float("nan")) for name in CORRECTION_METRICS]
+        lines.append(
+            f"| {r['backend']} | {r['serving_dtype']} | {m[0]:.2e} | {m[1]:.2e} | {m[2]:.2e} | {m[3]:.2e} | "
+            f"{m[4]:.2%} | {m[5]:.2%} | {m[6]:.2%} | {m[7]:.2%} |"
         )
     return "\n".join(lines)
 

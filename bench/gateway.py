@@ -359,6 +359,7 @@ class Bench:
             SECRET_KEY="bench-gateway-not-a-secret-" + "x" * 32,
             ALLOWED_HOSTS="127.0.0.1,localhost",
             LOG_LEVEL="WARNING",
+            STEEP_MODEL_ROOTS=str(self.workdir),  # the tiny model below is the run's base model
         )
         if database == "postgres":
             self.fresh_postgres()
