@@ -43,17 +43,24 @@ def tool_tuned(base: Path, out: Path) -> Path:
     """A copy of ``base`` (a tiny model) at ``out``, fine-tuned (SFT, AdamW on CPU) to answer
     TOOL_MESSAGES with TOOLS by TOOL_CALL_TEXT: a random model never emits a tool call by
     itself. Made once per test session (other modules import this)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     from rl_core.chat import ChatTokenizer
 
     if (out / "sft-done").exists():
         return out
     shutil.copytree(base, out)
     tok = ChatTokenizer.from_pretrained(out)
-    prompt = tok.encode(tok.render(TOOL_MESSAGES, tools=TOOLS))
-    ids = torch.tensor([prompt + tok.encode(TOOL_CALL_TEXT)])  # [1, T]
+    return tuned_to_answer(out, tok.encode(tok.render(TOOL_MESSAGES, tools=TOOLS)), TOOL_CALL_TEXT)
+
+
+def tuned_to_answer(out: Path, prompt: list[int], answer: str) -> Path:
+    """The model at ``out`` fine-tuned in place to answer the token ids ``prompt`` by ``answer``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rl_core.chat import ChatTokenizer
+
+    tok = ChatTokenizer.from_pretrained(out)
+    ids = torch.tensor([prompt + tok.encode(answer)])  # [1, T]
     labels = ids.clone()
     labels[0, : len(prompt)] = -100  # loss on the answer only
     with torch.random.fork_rng():
