@@ -129,6 +129,7 @@ class TrainingRecord(models.Model):
 
 
 _WHOLE_COLUMNS = ("turn", "prefix_turn", "prefix_choice", "messages", "input_ids", "outputs")
+_WHOLE_FIELDS = {*_WHOLE_COLUMNS, "session"}  # a row lacking one of them is left as stored
 
 
 class InteractionQuerySet(models.QuerySet):
@@ -148,7 +149,7 @@ def make_whole(rows: list[Interaction]) -> None:
     of its session that ``rows`` lack."""
     sessions: defaultdict = defaultdict(list)
     for row in rows:
-        if not {"messages", "input_ids", "outputs"} & row.get_deferred_fields():
+        if not _WHOLE_FIELDS & row.get_deferred_fields():
             sessions[row.session_id].append(row)
     for session_id, held in sessions.items():
         stored = [
