@@ -14,7 +14,7 @@ import pytest
 from django.db import connection, transaction
 
 from webapp.accounts.keys import SESSION_KEY_PREFIX, generate_key
-from webapp.gateway import earlier_turns, episodes, inflight, turns
+from webapp.gateway import deltas, earlier_turns, episodes, inflight, turns
 from webapp.gateway.last_turns import KnownTurn, LastTurns
 from webapp.gateway.models import Interaction
 from webapp.gateway.prompts import PreviousTurn
@@ -72,6 +72,7 @@ def _record(
     answer_ids: list[list[int]] | None = None,
     messages: list[dict] | None = None,
     tools: list[dict] | None = TOOLS,
+    prefix=None,
 ):
     """One turn of the session of ``key`` recorded as the gateway records it, without keeping a
     copy (``turns.remember``): as another web process would. A choice per ``contents`` (with
@@ -146,6 +147,7 @@ def _record(
             server_url="http://engine.test",
             latency_ms=1.5,
             previous_chosen=None,
+            prefix=prefix,
         )
     ), turn
 
@@ -303,3 +305,27 @@ def test_a_turn_another_process_recorded_is_read_from_the_database(gw, chat_toke
     turn = Interaction.objects.get(pk=following.id)
     assert (turn.session_id, turn.turn, turn.prefix_reused) == (uuid.UUID(session_id), 2, True)
     assert turn.input_ids[: len(ids) + len(answer_ids)] == ids + answer_ids
+
+
+@pytest.mark.django_db
+def test_a_turn_stored_as_what_it_added_is_read_back_whole_by_another_process(agent, session_key):
+    """Issue 36: the second turn's row holds only what it added to the first (``deltas``); a
+    process without the copy reads the session's rows up to it and puts the turn together."""
+    first, _ = _record(agent, session_key, request_hash="one", ids=[1, 2, 3], contents=["A"])
+    earlier = first.turn.previous
+    messages = [
+        *earlier.messages,
+        {"role": "assistant", "content": "A"},
+        {"role": "user", "content": "More?"},
+    ]
+    ids = [*earlier.input_ids, *earlier.choices[0]["output_ids"], 40, 41]
+    prefix = deltas.Prefix(0, 0, len(earlier.messages), len(ids) - 2)
+    second, _ = _record(
+        agent, session_key, request_hash="two", ids=ids, contents=["B"], messages=messages,
+        prefix=prefix,
+    )  # fmt: skip
+    stored = Interaction.objects.filter(turn=1).values("messages", "input_ids", "prefix_turn").get()
+    assert stored == {"messages": messages[-2:], "input_ids": [40, 41], "prefix_turn": 0}
+    previous, (request_hash, _) = _from_row(_caller(agent, session_key))
+    assert request_hash == "two" and previous == second.turn.previous
+    assert (previous.messages, previous.input_ids, previous.turn) == (messages, ids, 1)
