@@ -27,7 +27,7 @@ def test_common_prefix_lengths():
 
 
 def test_the_longest_prefix_of_the_same_adapter_is_taken_and_the_last_token_computed():
-    cache = PrefixCache(max_tokens=100, min_reuse=4)
+    cache = PrefixCache(max_bytes=800, min_reuse=4)
     cache.put(None, [1, 2, 3, 4, 5, 6], _kv([1, 2, 3, 4, 5, 6]))
     cache.put(None, [1, 2, 3, 9, 9, 9, 9, 9], _kv([1, 2, 3, 9, 9, 9, 9, 9]))
     cache.put("run-v1", [1, 2, 3, 4, 5, 6, 7, 8], _kv([1, 2, 3, 4, 5, 6, 7, 8]))
@@ -46,10 +46,10 @@ def test_the_longest_prefix_of_the_same_adapter_is_taken_and_the_last_token_comp
 
 
 def test_an_entry_the_next_turn_extends_is_replaced_and_the_budget_holds():
-    cache = PrefixCache(max_tokens=20, min_reuse=2)
+    cache = PrefixCache(max_bytes=20 * 8, min_reuse=2)  # 20 tokens of _kv's (8 bytes each)
     cache.put(None, [1, 2, 3, 4], _kv([1, 2, 3, 4]))
     cache.put(None, [1, 2, 3, 4, 5, 6], _kv([1, 2, 3, 4, 5, 6]))  # the next turn of the same
-    assert (len(cache), cache.tokens) == (1, 6)
+    assert (len(cache), cache.tokens, cache.bytes) == (1, 6, 48)
     cache.put(None, [7, 8, 9, 10, 11, 12, 13, 14], _kv([7] * 8))
     cache.put(None, [20, 21, 22, 23, 24, 25, 26, 27], _kv([20] * 8))  # 22 tokens: oldest out
     assert (len(cache), cache.tokens) == (2, 16)
@@ -59,7 +59,7 @@ def test_an_entry_the_next_turn_extends_is_replaced_and_the_budget_holds():
     assert cache.tokens == 16
     epoch = cache.epoch
     cache.clear()
-    assert (len(cache), cache.tokens, cache.epoch) == (0, 0, epoch + 1)
+    assert (len(cache), cache.tokens, cache.bytes, cache.epoch) == (0, 0, 0, epoch + 1)
 
 
 async def _generate(url: str, input_ids: list[int], **params) -> dict:

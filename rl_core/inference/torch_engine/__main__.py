@@ -22,7 +22,7 @@ from rl_core.inference.process import when_parent_exits
 from rl_core.inference.torch_engine.engine import TorchEngine, load_model
 from rl_core.inference.torch_engine.lora import AdapterSet
 from rl_core.inference.torch_engine.prefill import MAX_PREFILL_TOKENS
-from rl_core.inference.torch_engine.prefix_cache import DEFAULT_MAX_TOKENS
+from rl_core.inference.torch_engine.prefix_cache import DEFAULT_MAX_MB
 from rl_core.inference.torch_engine.server import build_app
 
 logger = logging.getLogger("rl_core.inference.torch_engine")
@@ -54,10 +54,10 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         "are prefilled together).",
     )
     parser.add_argument(
-        "--prefix-cache-tokens",
+        "--prefix-cache-mb",
         type=int,
-        default=DEFAULT_MAX_TOKENS,
-        help="Tokens of finished requests' KV kept for requests that begin the same way (a "
+        default=DEFAULT_MAX_MB,
+        help="MiB of finished requests' KV kept for requests that begin the same way (a "
         "session's next turn, a group's prompt); least recently used first out (prefix_cache.py).",
     )
     parser.add_argument(
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
         served_model_name=args.served_model_name,
         server_args=server_args,
         adapters=adapters,
-        prefix_cache_tokens=0 if args.disable_radix_cache else args.prefix_cache_tokens,
+        prefix_cache_mb=0 if args.disable_radix_cache else args.prefix_cache_mb,
     )
     engine.start()
     logger.info(

@@ -31,7 +31,7 @@ from rl_core.inference.torch_engine.prefill import (
     wants_input_logprobs,
 )
 from rl_core.inference.torch_engine.prefix_cache import (
-    DEFAULT_MAX_TOKENS,
+    DEFAULT_MAX_MB,
     PrefixCache,
     prefill_continued,
 )
@@ -79,7 +79,7 @@ class TorchEngine:
         served_model_name: str | None = None,
         server_args: dict[str, Any] | None = None,
         adapters: AdapterSet | None = None,
-        prefix_cache_tokens: int = DEFAULT_MAX_TOKENS,
+        prefix_cache_mb: int = DEFAULT_MAX_MB,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -117,7 +117,7 @@ class TorchEngine:
         self._running: list[GenerateRequest] = []
         self._cache = PaddedBatchCache(self.device)
         # Finished requests' KV for the next request with the same beginning (prefix_cache.py)
-        self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 else None
+        self.prefix_cache = PrefixCache(prefix_cache_mb << 20) if prefix_cache_mb > 0 else None
         self.receiver: Any = None  # weight_update.WeightReceiver, made on the first group init
 
         self.stats = {

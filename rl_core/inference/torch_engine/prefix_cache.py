@@ -13,7 +13,7 @@ with the entry's KV as the past, at the positions the tokens really have: what i
 equals a full prefill, up to the order of floating-point sums.
 
 Entries are per adapter (a LoRA adapter's KV is not the base model's), held least recently used
-first out within ``max_tokens`` tokens, and an entry another one extends (the turn before it) is
+first out within ``max_bytes`` of KV, and an entry another one extends (the turn before it) is
 dropped for it. New weights make every entry stale: ``clear`` empties the cache on each weight
 update, as SGLang flushes its own, and a request that ran across an update leaves nothing
 behind (``epoch``).
@@ -32,7 +32,7 @@ from rl_core.inference.torch_engine.kv_cache import KV, PaddedBatchCache, make_c
 from rl_core.inference.torch_engine.prefill import Prefilled
 from rl_core.inference.torch_engine.protocol import GenerateRequest
 
-DEFAULT_MAX_TOKENS = 65536  # tokens of KV held (--prefix-cache-tokens)
+DEFAULT_MAX_MB = 1024  # KV held, MiB (--prefix-cache-mb): ~18k tokens of a 7B model in bf16
 MIN_REUSE = 16  # a shorter common prefix is prefilled again: one forward either way
 
 
@@ -40,6 +40,7 @@ MIN_REUSE = 16  # a shorter common prefix is prefilled again: one forward either
 class Entry:
     ids: list[int]
     kv: KV  # per layer (keys, values), each [1, H_kv, len(ids), D], owned by the cache
+    nbytes: int
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -60,12 +61,13 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 class PrefixCache:
     """Finished sequences' KV by adapter and token ids; used by the scheduler thread only."""
 
-    def __init__(self, max_tokens: int = DEFAULT_MAX_TOKENS, min_reuse: int = MIN_REUSE):
-        self.max_tokens = max_tokens
+    def __init__(self, max_bytes: int = DEFAULT_MAX_MB << 20, min_reuse: int = MIN_REUSE):
+        self.max_bytes = max_bytes
         self.min_reuse = max(1, min_reuse)
         self._entries: OrderedDict[int, tuple[str | None, Entry]] = OrderedDict()
         self._next = 0
         self.tokens = 0  # held
+        self.bytes = 0
         self.epoch = 0  # bumped by clear: KV computed before it is never kept
         self.hits = 0
         self.cached_tokens = 0  # prompt tokens served from the cache, all requests
@@ -75,7 +77,7 @@ class PrefixCache:
 
     def clear(self) -> None:
         self._entries.clear()
-        self.tokens = 0
+        self.tokens = self.bytes = 0
         self.epoch += 1
 
     def forget(self, adapter: str | None) -> None:
@@ -105,7 +107,8 @@ class PrefixCache:
     def put(self, adapter: str | None, ids: list[int], kv: KV) -> None:
         """Keep ``kv`` (one row, ``len(ids)`` positions; the caller's copy) under ``ids``;
         entries ``ids`` extends go, then the least recently used until it fits."""
-        if len(ids) < self.min_reuse or len(ids) > self.max_tokens:
+        size = sum(k.nbytes + v.nbytes for k, v in kv)
+        if len(ids) < self.min_reuse or size > self.max_bytes:
             return
         for key in [
             k
@@ -115,11 +118,12 @@ class PrefixCache:
             and ids[: len(entry.ids)] == entry.ids
         ]:
             self._drop(key)
-        while self._entries and self.tokens + len(ids) > self.max_tokens:
+        while self._entries and self.bytes + size > self.max_bytes:
             self._drop(next(iter(self._entries)))
-        self._entries[self._next] = (adapter, Entry(ids, kv))
+        self._entries[self._next] = (adapter, Entry(ids, kv, size))
         self._next += 1
         self.tokens += len(ids)
+        self.bytes += size
 
     def keep_rows(self, batch: PaddedBatchCache, reqs: list[GenerateRequest], rows: list[int]):
         """Keep the KV of the finished ``rows`` of the running batch (``reqs[i]`` is row i):
@@ -138,11 +142,13 @@ class PrefixCache:
     def _drop(self, key: int) -> None:
         _, entry = self._entries.pop(key)
         self.tokens -= len(entry.ids)
+        self.bytes -= entry.nbytes
 
     def stats(self) -> dict[str, int]:
         return {
             "prefix_cache_entries": len(self._entries),
             "prefix_cache_tokens": self.tokens,
+            "prefix_cache_bytes": self.bytes,
             "num_prefix_cache_hits": self.hits,
             "num_cached_prompt_tokens": self.cached_tokens,
         }
