@@ -108,3 +108,29 @@ def test_an_open_sessions_page_stops_refreshing_while_a_comment_is_written(
     page.wait_for_function("!document.querySelector('#session-feedback details[open]')")
     session.refresh_from_db()
     assert session.feedback.get().comment == "half right"
+
+
+def test_a_long_sessions_turn_is_rated_on_its_own_page(
+    logged_in, live_server, project, make_run, make_agent, make_session, tmp_path
+):
+    """Issue 36: a 45-turn session shows twenty turns a page; rating a turn on the first page
+    keeps the page it was rated on."""
+    agent = make_agent(project, run=make_run(project))
+    turns = [
+        {"messages": [{"role": "user", "content": f"Question {n}?"}], "answer": f"Answer {n}."}
+        for n in range(45)
+    ]
+    session = make_session(agent, turns, stored_as_added=True, trajectory=T.UNREWARDED)
+    page = logged_in
+    page.set_viewport_size({"width": 1400, "height": 900})
+    page.goto(f"{live_server.url}/projects/{project.id}/sessions/{session.id}/")
+    assert page.locator("article.turn").count() == 5  # the latest page: turns 40-44
+    page.click("nav.turn-pages >> text=0–19")
+    page.wait_for_selector("#turn-0")
+    assert page.locator("article.turn").count() == 20
+    page.screenshot(path=str(tmp_path / "long-session.png"), full_page=False)
+    page.click("#turn-5 button.thumb.up")
+    page.wait_for_selector("#turn-5 .badge.reward")
+    assert "reward 1.000" in page.locator("#turn-5").inner_text()
+    assert page.locator("article.turn").count() == 20 and page.locator("#turn-0").count() == 1
+    assert session.interactions.get(turn=5).reward == 1.0

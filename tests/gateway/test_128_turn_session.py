@@ -137,5 +137,5 @@ def test_a_128_turn_session_is_recorded_trained_and_rendered(
     page = member_client.get(f"/projects/{project.id}/sessions/{session_id}/")
     assert page.status_code == 200
     body = page.content.decode()
-    assert f"{TURNS + 1} turns · showing 120–128" in body
+    assert f"{TURNS + 1} turns, 20 a page:" in body and '<b aria-current="page">120–128</b>' in body
     assert body.count('<article class="turn"') == 9

@@ -397,7 +397,7 @@ def test_a_long_session_stored_as_added_shows_its_turns_a_page_at_a_time(
 
     last = page(member_client, session_url(world.project, long))
     assert re.findall(r'id="turn-(\d+)"', last) == [str(t) for t in range(40, 45)]
-    assert "45 turns · showing 40–44" in last
+    assert "45 turns, 20 a page:" in last
     assert '<a href="?page=1">0–19</a>' in last and '<b aria-current="page">40–44</b>' in last
     first = page(member_client, session_url(world.project, long) + "?page=1")
     assert re.findall(r'id="turn-(\d+)"', first) == [str(t) for t in range(20)]

@@ -199,6 +199,10 @@ class Page:
         first = (number - 1) * TURNS_PER_PAGE
         return cls(number, count, first, min(first + TURNS_PER_PAGE, turns) - 1, turns)
 
+    @property
+    def size(self) -> int:
+        return TURNS_PER_PAGE
+
     def links(self) -> list[dict]:
         """Every page as {number, label (its turns, "20–39"), current}."""
         return [
