@@ -106,6 +106,7 @@ class VLLMServer(InferenceServer):
         max_loras_per_batch: int | None = None,
         max_loaded_loras: int | None = None,
         kv_cache_space_gb: int | None = None,
+        prefix_caching: bool = True,
         **kwargs: Any,
     ):
         super().__init__(model_path, **kwargs)
@@ -124,6 +125,7 @@ class VLLMServer(InferenceServer):
         self.max_loras = max_loras_per_batch
         self.max_cpu_loras = max_loaded_loras
         self.kv_cache_space_gb = kv_cache_space_gb
+        self.prefix_caching = prefix_caching  # False: vLLM's own default
 
     def command(self) -> list[str]:
         cmd = [
@@ -133,9 +135,6 @@ class VLLMServer(InferenceServer):
             "--port", str(self.port),
             "--enable-scale-out",  # the token-in/token-out /inference/v1/generate
             "--logprobs-mode", "processed_logprobs",
-            # A session's next turn reuses the last one's KV blocks (on by default on GPUs
-            # only; the CPU build decides per platform): issue 36's long sessions.
-            "--enable-prefix-caching",
             "--tensor-parallel-size", str(self.tensor_parallel),
             "--weight-transfer-config", json.dumps({"backend": TRANSFER_BACKEND}),
         ]  # fmt: skip
@@ -150,6 +149,10 @@ class VLLMServer(InferenceServer):
         for flag, value in optional.items():
             if value is not None:
                 cmd += [flag, str(value)]
+        if self.prefix_caching:
+            # A session's next turn reuses the last one's KV blocks (issue 36's long sessions);
+            # vLLM's default for text models, asked for so a change of default does not drop it.
+            cmd.append("--enable-prefix-caching")
         if self.lora_rank > 0:
             cmd += ["--enable-lora", "--max-lora-rank", str(lora_rank_bound(self.lora_rank))]
             if self.max_loras is not None:

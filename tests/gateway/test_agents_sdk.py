@@ -74,5 +74,7 @@ def test_an_agents_sdk_agent_calls_a_tool_through_the_gateway(
     tok = ChatTokenizer.from_pretrained(no_tools)
     prompt = tok.decode(turn1.input_ids, skip_special_tokens=False)
     call = {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
-    assert f"{tool_call_text(call)}<|im_end|>\n<|im_start|>tool\n{TOOL_RESULT}<|im_end|>\n" in prompt
+    assert (
+        f"{tool_call_text(call)}<|im_end|>\n<|im_start|>tool\n{TOOL_RESULT}<|im_end|>\n" in prompt
+    )
     assert turn1.messages[-1]["role"] == "tool" and turn1.messages[-1]["content"] == TOOL_RESULT

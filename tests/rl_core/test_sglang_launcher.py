@@ -186,3 +186,13 @@ def test_every_configurable_backend_but_auto_has_a_launcher():
     assert set(INFERENCE_BACKENDS) == {"auto", *launch.LAUNCHERS}
     for name, launcher in launch.LAUNCHERS.items():
         assert launcher.backend == name
+
+
+def test_every_engine_keeps_its_prefix_cache_on(tiny_model_dir):
+    """Issue 36: a session's next turn reuses the last one's KV in every engine: SGLang's radix
+    cache and the torch engine's are never turned off, vLLM's prefix caching is asked for."""
+    sglang = SGLangServer("/models/x", tensor_parallel=1).command()
+    torch_engine = TorchEngineServer(tiny_model_dir).command()
+    assert "--disable-radix-cache" not in sglang and "--disable-radix-cache" not in torch_engine
+    assert "--enable-prefix-caching" in VLLMServer("/models/x").command()
+    assert "--enable-prefix-caching" not in VLLMServer("/models/x", prefix_caching=False).command()
