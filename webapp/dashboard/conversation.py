@@ -179,11 +179,11 @@ TURNS_PER_PAGE = 20
 
 @dataclass(frozen=True)
 class Page:
-    """Which of a session's ``turns`` the page shows: page ``number`` of ``count`` pages of
+    """Which of a session's ``turns`` the page shows: page ``number`` of ``pages`` of
     ``TURNS_PER_PAGE``, turns ``first`` to ``last`` (indexes in the session's turns)."""
 
     number: int
-    count: int
+    pages: int
     first: int
     last: int
     turns: int
@@ -191,13 +191,13 @@ class Page:
     @classmethod
     def of(cls, turns: int, requested: str | None) -> Page:
         """The requested page (1-based), else the last one: the latest turns of a live session."""
-        count = max(1, -(-turns // TURNS_PER_PAGE))
+        pages = max(1, -(-turns // TURNS_PER_PAGE))
         try:
-            number = min(max(int(requested or count), 1), count)
+            number = min(max(int(requested or pages), 1), pages)
         except ValueError:
-            number = count
+            number = pages
         first = (number - 1) * TURNS_PER_PAGE
-        return cls(number, count, first, min(first + TURNS_PER_PAGE, turns) - 1, turns)
+        return cls(number, pages, first, min(first + TURNS_PER_PAGE, turns) - 1, turns)
 
     @property
     def size(self) -> int:
@@ -211,7 +211,7 @@ class Page:
                 "label": f"{(n - 1) * TURNS_PER_PAGE}–{min(n * TURNS_PER_PAGE, self.turns) - 1}",
                 "current": n == self.number,
             }
-            for n in range(1, self.count + 1)
+            for n in range(1, self.pages + 1)
         ]
 
 
