@@ -221,7 +221,21 @@ def wait_finished(rest: httpx.Client, chaos: Chaos, run_id: str, timeout=480) ->
         return wait_for(done, timeout, "the run to complete")
     except TimeoutError:
         state = run_state(rest, run_id)
-        raise AssertionError(f"run did not complete: {state}\n{chaos.log_tail()}") from None
+        raise AssertionError(
+            f"run did not complete: {state}\n{_run_story(run_id)}\n{chaos.log_tail()}"
+        ) from None
+
+
+def _run_story(run_id: str) -> str:
+    """The run's events and its Ray job's last log lines, as the database holds them: what a
+    timed-out chaos test needs to tell a hang from a slow machine."""
+    from webapp.runs.models import Run, RunEvent
+
+    events = RunEvent.objects.filter(run_id=run_id).order_by("created_at", "id")
+    lines = [f"{e.created_at:%H:%M:%S} {e.kind}: {e.message[:300]}" for e in events]
+    run = Run.objects.filter(pk=run_id).first()
+    tail = getattr(run, "job_log_tail", "") or ""
+    return "--- run events\n" + "\n".join(lines) + "\n--- job log tail\n" + tail[-6000:]
 
 
 # --------------------------------------------------------------------------- the ledger
