@@ -26,7 +26,10 @@ if not vllm_available():
     pytest.skip(f"vLLM is not installed at {vllm_python()}", allow_module_level=True)
 
 PROMPT = [72, 101, 108, 108, 111, 44, 32]
-LONG = {"max_new_tokens": 1500, "temperature": 1.0, "ignore_eos": True}
+# Long enough that a pause or an abort lands mid-answer even when this process and vLLM's API
+# server share busy cores (1,500 tokens were seen finishing before either, in CI).
+CONTEXT = 8192
+LONG = {"max_new_tokens": 6000, "temperature": 1.0, "ignore_eos": True}
 TOLERANCE = 2e-3  # float32 on both sides; vLLM's CPU kernels sum in another order
 
 
@@ -38,7 +41,11 @@ def vllm_models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     from rl_core.tiny import build_tiny_model
 
     base = build_tiny_model(
-        tmp_path_factory.mktemp("vllm") / "tiny", hidden=64, heads=2, kv_heads=1
+        tmp_path_factory.mktemp("vllm") / "tiny",
+        hidden=64,
+        heads=2,
+        kv_heads=1,
+        max_positions=CONTEXT,
     )
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     gen = torch.Generator().manual_seed(7)
@@ -61,7 +68,7 @@ def server(vllm_models, tmp_path_factory) -> Any:
         base,
         host="127.0.0.1",
         dtype="float32",
-        max_model_len=2048,
+        max_model_len=CONTEXT,
         kv_cache_space_gb=1,
         lora_rank=8,  # the LoRA test's adapters; the base model serves as before
         max_loras_per_batch=2,
@@ -160,9 +167,7 @@ async def test_a_pause_that_aborts_is_resumed_by_the_client_transparently(client
 
 
 async def test_a_request_is_aborted_by_its_id(server):
-    # As long as the context allows: on cores shared with other suites the first chunk can
-    # reach the client after most of a 1,500-token answer was generated (seen in CI).
-    longest = {**LONG, "max_new_tokens": 2040}
+    longest = LONG
     async with VLLMClient(server.url, max_resumes=0) as client:
         stream = client.generate_stream(PROMPT, longest, rid="steep-abort-1")
         chunks = await started(stream)
