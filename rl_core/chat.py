@@ -401,18 +401,21 @@ class ChatTokenizer:
             while self._texts_chars > self.TEXT_CACHE_CHARS and self._texts:
                 self._texts_chars -= len(self._texts.popitem(last=False)[1][1])
 
+    def remembered(self, key: str | None, count: int) -> str | None:
+        """The text of ``count`` ids remembered under ``key`` (``remember_text``), if it is."""
+        if key is None:
+            return None
+        with self._prompts_lock:
+            found = self._texts.get(key)
+            if found is not None:
+                self._texts.move_to_end(key)
+        return found[1] if found is not None and found[0] == count else None
+
     def decode_continued(self, key: str | None, ids: list[int], more: list[int]) -> str:
         """``decode(ids + more, skip_special_tokens=False)``. When the text of ``ids`` was
         remembered under ``key`` (``remember_text``) and ``joins`` it, only ``more`` is decoded:
         a session's next turn decodes its last answer, not the whole conversation again."""
-        known = None
-        if key is not None:
-            with self._prompts_lock:
-                found = self._texts.get(key)
-                if found is not None:
-                    self._texts.move_to_end(key)
-            if found is not None and found[0] == len(ids):
-                known = found[1]
+        known = self.remembered(key, len(ids))
         if known is not None and self.joins(known):
             return known + self.decode(more, skip_special_tokens=False)
         return self.decode(ids + more, skip_special_tokens=False)

@@ -98,9 +98,13 @@ def extend_prompt(
     if chosen is None:
         return None
     output_ids = list(previous.choices[chosen]["output_ids"])
-    prompt_text = tok.decode_continued(previous.key, previous.input_ids, [])
+    # The previous prompt's text, where it splits from the answer's: remembered, or decoded
+    # once by a byte-level tokenizer (any other decodes prompt and answer together, below).
+    prompt_text = tok.remembered(previous.key, len(previous.input_ids))
+    if prompt_text is None and tok.byte_level:
+        prompt_text = tok.decode(previous.input_ids, skip_special_tokens=False)
     added = None
-    if tok.joins(prompt_text):
+    if prompt_text is not None and tok.joins(prompt_text):
         decoded = prompt_text + tok.decode(output_ids, skip_special_tokens=False)
         added = _added_by_tail(tok, messages, tools, previous, decoded[len(prompt_text) :])
     else:
