@@ -195,3 +195,36 @@ def test_a_failing_worker_stops_the_whole_group(local_ray, tiny_model_dir, tmp_p
         group.save_weights(str(tmp_path / "w"))
     with pytest.raises(RuntimeError, match="trainer workers were stopped"):
         group.destroy_weight_group("steep_weight_sync")
+
+
+def test_a_worker_killed_inside_a_collective_is_reported_as_a_death_not_as_its_peers_error(
+    local_ray,
+):
+    """Rank 0 killed mid-checkpoint breaks rank 1's gloo collective at once: rank 1's
+    RuntimeError reaches the driver before Ray has noticed rank 0's death. The group raises the
+    death (the job restarts the run) rather than rank 1's error (the job would fail the run)."""
+    import os
+
+    import ray
+
+    from workers.trainer_group import TrainerGroup
+
+    @ray.remote(num_cpus=0)
+    class Worker:
+        def __init__(self, dies: bool):
+            self.dies = dies
+
+        def save_checkpoint(self, path: str) -> str:
+            if self.dies:
+                time.sleep(2)  # Ray learns of the death after the peer's error has arrived
+                os._exit(1)
+            raise RuntimeError("[gloo] Connection closed by peer")
+
+    group = TrainerGroup.__new__(TrainerGroup)  # the group of two workers, without trainers
+    group._pg = None
+    group._actors = [Worker.remote(True), Worker.remote(False)]
+    ray.get([actor.__ray_ready__.remote() for actor in group._actors])
+    with pytest.raises(ray.exceptions.RayActorError) as died:
+        group.save_checkpoint("ckpt")
+    assert "Connection closed by peer" in str(died.value.__cause__)
+    assert group._actors == []  # every worker stopped

@@ -19,7 +19,10 @@ driver then writes beside them, so on more than one node ``DATA_DIR`` must be on
 filesystem (docs/deploy.md). Loading a checkpoint reads it on rank 0 only.
 
 If any actor fails (an exception, a crashed process), the others may be blocked in a
-collective that will never complete: the group kills every actor and re-raises.
+collective that will never complete: the group kills every actor and re-raises. A worker
+killed inside a collective breaks the others' collective at once; their error may arrive
+before Ray reports the death, so the group looks for the death first and raises that (the
+job restarts a run after a crash, and fails it after an error).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -44,6 +48,8 @@ logger = logging.getLogger(__name__)
 
 # How long a collective may block before torch.distributed gives up on a silent peer.
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)
+# How long a failed call looks for a peer's death behind its error (_peer_death).
+PEER_DEATH_WAIT_S = 15.0
 
 
 # The "checkpoint" group has its own thread: a snapshot's disk write runs beside the next
@@ -199,8 +205,14 @@ class TrainerGroup:
             while pending:
                 done, pending = ray.wait(pending, num_returns=1)
                 ray.get(done[0])  # raises the actor's error at once, not after the others
-        except BaseException:
+        except Exception as exc:
             logger.error("trainer worker failed in %s; stopping all %d", method, len(refs))
+            death = None if _died(exc) else _peer_death(pending)
+            self.close(graceful=False)
+            if death is not None:
+                raise death from exc
+            raise
+        except BaseException:
             self.close(graceful=False)
             raise
         return ray.get(refs[0])
@@ -270,6 +282,29 @@ class TrainerGroup:
         if self._pg is not None:
             remove_placement_group(self._pg)
             self._pg = None
+
+
+def _died(exc: BaseException) -> bool:
+    return isinstance(exc, ray.exceptions.RayActorError) and not exc.actor_init_failed
+
+
+def _peer_death(pending: list[Any]) -> BaseException | None:
+    """A peer's death behind a survivor's error, if Ray reports one within ``PEER_DEATH_WAIT_S``.
+
+    When one worker is killed inside a collective, the others' collective breaks at once (gloo:
+    "Connection closed by peer") and their error can reach the driver before Ray has noticed
+    the dead process. The job tells a crash (restart from the last checkpoint) from a failure
+    (the run fails with its message) by the error it gets, so the death is looked for first."""
+    deadline = time.monotonic() + PEER_DEATH_WAIT_S
+    while pending and (left := deadline - time.monotonic()) > 0:
+        done, pending = ray.wait(pending, num_returns=1, timeout=left)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except Exception as exc:
+                if _died(exc):
+                    return exc
+    return None
 
 
 def _totals() -> str:

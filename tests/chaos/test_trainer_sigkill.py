@@ -5,7 +5,6 @@ after it is trained again, and the run completes with an exact ledger."""
 from __future__ import annotations
 
 import collections
-import os
 import random
 
 import pytest
@@ -120,11 +119,6 @@ def test_the_trainer_killed_three_times_trains_every_trajectory_once(chaos, rest
     }
 
 
-@pytest.mark.skipif(
-    os.environ.get("CI") == "true",
-    reason="quarantined in CI: after rank 0 is killed mid-checkpoint the run sometimes never "
-    "resumes (2 of 3 fresh-clone runs in session 24; 53-86 s when it passes)",
-)
 @pytest.mark.timeout(1100)  # the wait below reports the run's events and its job's log
 def test_two_trainer_workers_killed_mid_checkpoint_resume_their_sharded_checkpoint(chaos, rest):
     """train_workers=2 (FSDP2): rank 0 killed while the ranks write a sharded checkpoint (each
