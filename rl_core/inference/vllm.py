@@ -45,6 +45,8 @@ DEFAULT_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 # on the server's path) and the module it names (rl_core.inference.vllm_transfer).
 PLUGIN_PATH = ROOT / "deploy" / "vllm-plugin"
 TRANSFER_BACKEND = "steep"
+# vLLM's own default step budget (SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS).
+MIN_BATCHED_TOKENS = 2048
 # What the RL routes and runtime LoRA loading need; logprobs of the sampled distribution.
 VLLM_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
 
@@ -62,6 +64,17 @@ def lora_rank_bound(rank: int) -> int:
     raise ValueError(f"vLLM serves LoRA ranks up to {LORA_RANK_BOUNDS[-1]}; this run asks {rank}")
 
 
+def context_length(model_path: str | os.PathLike[str]) -> int | None:
+    """The model's context length from its ``config.json`` (None when it does not say)."""
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    config = config.get("text_config", config)
+    value = config.get("max_position_embeddings")
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
 def vllm_python() -> str:
     """The interpreter of vLLM's environment (``STEEP_VLLM_PYTHON``, else ``.venv-vllm``)."""
     return os.environ.get("STEEP_VLLM_PYTHON") or str(DEFAULT_PYTHON)
@@ -76,11 +89,17 @@ def vllm_cpu_settings() -> dict[str, Any]:
     logprobs recorded and recomputed agree; ``STEEP_VLLM_CPU_DTYPE=bfloat16`` serves in bf16,
     to measure the mismatch that makes: docs/benchmarks.md), a KV cache of
     ``STEEP_VLLM_CPU_KVCACHE_GB`` GiB (default 2; vLLM's own default takes most of the host's
-    memory), and ``STEEP_TORCH_THREADS`` threads (default 1), as the torch engine."""
+    memory), and ``STEEP_TORCH_THREADS`` threads (default 1), as the torch engine.
+
+    Prefills are never split across steps (``--no-enable-chunked-prefill``): vLLM rewinds the
+    random generator of a seeded request whose split prefill sampled a token it then discards,
+    and a CPU generator cannot rewind (``RuntimeError: CPU Generator does not use offset``,
+    which ends the engine); Steep seeds every dataset-mode sample (``member_seed``)."""
     threads = os.environ.get("STEEP_TORCH_THREADS", "1")
     return {
         "dtype": os.environ.get("STEEP_VLLM_CPU_DTYPE", "float32"),
         "kv_cache_space_gb": int(os.environ.get("STEEP_VLLM_CPU_KVCACHE_GB", "2")),
+        "chunked_prefill": False,
         "env": {"OMP_NUM_THREADS": threads},
     }
 
@@ -107,6 +126,7 @@ class VLLMServer(InferenceServer):
         max_loaded_loras: int | None = None,
         kv_cache_space_gb: int | None = None,
         prefix_caching: bool = True,
+        chunked_prefill: bool | None = None,
         **kwargs: Any,
     ):
         super().__init__(model_path, **kwargs)
@@ -126,6 +146,7 @@ class VLLMServer(InferenceServer):
         self.max_cpu_loras = max_loaded_loras
         self.kv_cache_space_gb = kv_cache_space_gb
         self.prefix_caching = prefix_caching  # False: vLLM's own default
+        self.chunked_prefill = chunked_prefill  # None: vLLM's own default (on)
 
     def command(self) -> list[str]:
         cmd = [
@@ -153,6 +174,12 @@ class VLLMServer(InferenceServer):
             # A session's next turn reuses the last one's KV blocks (issue 36's long sessions);
             # vLLM's default for text models, asked for so a change of default does not drop it.
             cmd.append("--enable-prefix-caching")
+        if self.chunked_prefill is False:
+            # A whole prompt must then fit one step's token budget.
+            cmd.append("--no-enable-chunked-prefill")
+            length = self.max_model_len or context_length(self.model_path)
+            if length:
+                cmd += ["--max-num-batched-tokens", str(max(length, MIN_BATCHED_TOKENS))]
         if self.lora_rank > 0:
             cmd += ["--enable-lora", "--max-lora-rank", str(lora_rank_bound(self.lora_rank))]
             if self.max_loras is not None:

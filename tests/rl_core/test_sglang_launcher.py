@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sys
@@ -196,3 +197,22 @@ def test_every_engine_keeps_its_prefix_cache_on(tiny_model_dir):
     assert "--disable-radix-cache" not in sglang and "--disable-radix-cache" not in torch_engine
     assert "--enable-prefix-caching" in VLLMServer("/models/x").command()
     assert "--enable-prefix-caching" not in VLLMServer("/models/x", prefix_caching=False).command()
+
+
+def test_vllm_on_cpus_never_splits_a_prefill(tiny_model_dir):
+    """vLLM's CPU build ends its engine when a seeded request's split prefill discards a
+    sampled token (it rewinds the request's generator, and a CPU generator has no offset): the
+    CPU settings turn chunked prefill off, with a step budget that holds the longest prompt."""
+    from rl_core.inference.vllm import vllm_cpu_settings
+
+    settings = {k: v for k, v in vllm_cpu_settings().items() if k != "env"}
+    cmd = VLLMServer(tiny_model_dir, **settings).command()
+    assert "--no-enable-chunked-prefill" in cmd
+    context = json.loads((tiny_model_dir / "config.json").read_text())["max_position_embeddings"]
+    budget = int(cmd[cmd.index("--max-num-batched-tokens") + 1])
+    assert budget == max(context, 2048)
+    cmd = VLLMServer(tiny_model_dir, max_model_len=9000, **settings).command()
+    assert cmd[cmd.index("--max-num-batched-tokens") + 1] == "9000"
+    default = VLLMServer(tiny_model_dir).command()  # a GPU: vLLM's own chunked prefill
+    assert "--no-enable-chunked-prefill" not in default
+    assert "--max-num-batched-tokens" not in default
