@@ -17,6 +17,11 @@ model's attention runs per sequence, so memory and compute grow with ``sum(L_i^2
 
 ``packed_attention_kwargs`` gives the forward kwargs both paths read; transformers
 (>= 4.53, where masks moved to ``masking_utils``) hands them to the attention function.
+
+A row laid out as a prefix tree (``rl_core.prefix_tree``, ``tree_attention_kwargs``) runs
+through ``PACKED_ATTENTION`` one tree node at a time: a node's tokens attend to their
+ancestors' keys and, causally, to their own (SDPA with the causal mask aligned to the lower
+right), in memory per node of a flat sequence of the same length.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import torch.nn.functional as F
 PACKED_ATTENTION = "steep_packed"
 PACKED_IMPLEMENTATIONS = (PACKED_ATTENTION, "flash_attention_2", "flash_attention_3")
 SEQ_LENGTHS = "steep_seq_lengths"  # forward kwarg: the packed sequences' lengths, Python ints
+TREE_NODES = "steep_tree_nodes"  # forward kwarg: a prefix tree's nodes (tree_attention_kwargs)
 
 _registered = False
 
@@ -48,8 +54,11 @@ def register_packed_attention() -> str:
     return PACKED_ATTENTION
 
 
-def packed_attention_implementation(device: torch.device) -> str:
-    """The ``attn_implementation`` to load a trained model with on ``device``."""
+def packed_attention_implementation(device: torch.device, *, tree: bool = False) -> str:
+    """The ``attn_implementation`` to load a trained model with on ``device``: Steep's own
+    for prefix trees (``tree``), which transformers' flash path does not know."""
+    if tree:
+        return register_packed_attention()
     if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
         return "flash_attention_2"
     return register_packed_attention()
@@ -79,6 +88,12 @@ def packed_attention_kwargs(
     return kwargs
 
 
+def tree_attention_kwargs(lengths: list[int], ancestors: list[list[int]]) -> dict[str, Any]:
+    """Forward kwargs for a row laid out as a prefix tree (``rl_core.prefix_tree``): node
+    ``i`` holds the next ``lengths[i]`` tokens and sees its ``ancestors[i]`` nodes' tokens."""
+    return {TREE_NODES: (list(lengths), [list(a) for a in ancestors])}
+
+
 def packed_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,  # [1, H, T, D]
@@ -106,6 +121,9 @@ def packed_attention_forward(
         )
     if query.shape[0] != 1:
         raise ValueError(f"packed attention expects one packed row, got batch {query.shape[0]}")
+    if kwargs.get(TREE_NODES) is not None:
+        lengths, ancestors = kwargs[TREE_NODES]
+        return _tree_attention(query, key, value, lengths, ancestors, scaling, dropout), None
     cu = _boundaries(kwargs, query.shape[2], query.device)  # [S + 1]
     if _use_varlen_kernel(query):
         return _varlen_flash(query, key, value, cu, kwargs, scaling, dropout), None
@@ -133,6 +151,45 @@ def packed_attention_forward(
     ]
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # [1, H, T, D]
     return out.transpose(1, 2).contiguous(), None
+
+
+def _tree_attention(
+    query: torch.Tensor,  # [1, H, N, D]
+    key: torch.Tensor,  # [1, Hkv, N, D]
+    value: torch.Tensor,  # [1, Hkv, N, D]
+    lengths: list[int],
+    ancestors: list[list[int]],
+    scaling: float | None,
+    dropout: float,
+) -> torch.Tensor:
+    """Attention along a prefix tree, one node at a time: ``[1, N, H, D]``.
+
+    A node's queries attend to its ancestors' keys and, causally, its own: SDPA with the
+    causal mask aligned to the lower right (query ``i`` of ``n`` sees the ``a`` ancestor
+    keys and its node's first ``i + 1``; a plain boolean mask, which every SDPA backend,
+    tensor mode and fake tensor takes), so memory per node is ``n x (a + n)``, as a flat
+    sequence of that length costs, never ``N x N``. The row is split into nodes once, so the
+    backward sums each node's key and value gradients over its descendants in node-sized
+    tensors (not one row-sized gradient per child)."""
+    groups = query.shape[1] // key.shape[1]
+    queries = query.split(lengths, dim=2)
+    keys, values = key.split(lengths, dim=2), value.split(lengths, dim=2)
+    outs = []
+    for node, (q, above) in enumerate(zip(queries, ancestors, strict=True)):
+        k = torch.cat([keys[a] for a in above] + [keys[node]], dim=2) if above else keys[node]
+        v = torch.cat([values[a] for a in above] + [values[node]], dim=2) if above else values[node]
+        if groups > 1:  # grouped-query attention: every query head gets its key/value head
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        n, total = q.shape[2], k.shape[2]
+        causal: dict[str, Any] = {"is_causal": True}
+        if total > n:
+            mask = torch.ones(n, total, dtype=torch.bool, device=q.device)
+            causal = {"attn_mask": mask.tril_(total - n)}  # [n, a + n]
+        outs.append(
+            F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling, **causal)
+        )  # [1, H, n, D]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # [1, H, N, D]
+    return out.transpose(1, 2).contiguous()
 
 
 def _boundaries(kwargs: dict[str, Any], total: int, device: torch.device) -> torch.Tensor:

@@ -136,6 +136,11 @@ class RunConfig:
         "Token budget of one packed micro-batch (gradient accumulation splits above it).",
         min=16,
     )
+    prefix_tree: bool = _f(
+        True,
+        "Train sequences that share a prefix (a GRPO group's prompt, a forked session's conversation before the fork, a common system prompt) as a prefix tree: each shared prefix runs through the forward and backward once, with the same loss and gradients as packing every sequence whole. Micro-batches then keep such sequences together and count the tree's tokens against micro_batch_tokens.",
+        advanced=True,
+    )
     # Trainer scale and memory (the run form's advanced section)
     train_workers: int = _f(
         1,

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from rl_core import prefix_tree
 from rl_core.packing import micro_batches
 
 T = TypeVar("T")
@@ -62,6 +63,22 @@ def rank_micro_batches(
         counts.append(len(groups))
         if r == rank:
             mine = [[shard[j] for j in group] for group in groups]
+    return mine, max(counts)
+
+
+def tree_rank_micro_batches(
+    seqs: Sequence[Sequence[int]], world_size: int, rank: int, max_tokens: int
+) -> tuple[list[list[int]], int]:
+    """``rank_micro_batches`` for prefix-tree packing: sequences that share a prefix stay
+    together (``prefix_tree.chunks``), and ranks and micro-batches are balanced by the tokens
+    each chunk's tree computes, not by its sequences' lengths."""
+    groups, costs = prefix_tree.chunks(seqs, max_tokens)
+    counts, mine = [], []
+    for r, shard in enumerate(balanced_shards(costs, world_size)):
+        bins = micro_batches([costs[i] for i in shard], max_tokens)
+        counts.append(len(bins))
+        if r == rank:
+            mine = [sorted(j for b in bin_ for j in groups[shard[b]]) for bin_ in bins]
     return mine, max(counts)
 
 

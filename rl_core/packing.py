@@ -16,7 +16,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rl_core.attention import PACKED_IMPLEMENTATIONS, packed_attention_kwargs
+from rl_core import prefix_tree
+from rl_core.attention import (
+    PACKED_ATTENTION,
+    PACKED_IMPLEMENTATIONS,
+    packed_attention_kwargs,
+    tree_attention_kwargs,
+)
 from rl_core.head import chunked_scores, hidden_states_out, output_head
 from rl_core.types import Trajectory
 
@@ -46,10 +52,18 @@ class PackedBatch:
     # The sequences' lengths as Python ints (``cu_seqlens`` on the host): attention reads its
     # boundaries from them without a device-to-host copy in every layer.
     lengths: list[int] | None = None
+    # The sequences as a prefix tree (``pack(..., tree=True)`` where they share prefixes):
+    # the model runs over its tokens, each shared prefix once (rl_core.prefix_tree).
+    tree: prefix_tree.TreeLayout | None = None
 
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[1]
+
+    @property
+    def computed_tokens(self) -> int:
+        """The tokens the model runs over: the tree's where there is one."""
+        return self.num_tokens if self.tree is None else self.tree.num_tokens
 
     def to(self, device: torch.device | str) -> PackedBatch:
         return PackedBatch(
@@ -63,6 +77,7 @@ class PackedBatch:
             extra={k: v.to(device) for k, v in self.extra.items()},
             temperatures=None if self.temperatures is None else self.temperatures.to(device),
             lengths=self.lengths,
+            tree=None if self.tree is None else self.tree.to(device),
         )
 
 
@@ -70,11 +85,15 @@ def pack(
     trajectories: Sequence[Trajectory],
     indices: Sequence[int] | None = None,
     extra: Mapping[str, Sequence[torch.Tensor]] | None = None,
+    *,
+    tree: bool = False,
 ) -> PackedBatch:
     """Pack ``trajectories[i]`` for ``i`` in ``indices`` (all by default) into one row.
 
     ``extra[name][i]`` is a per-token tensor ``[L_i]`` of trajectory ``i`` (indexed like
-    ``trajectories``), concatenated into ``batch.extra[name]`` ``[T]``.
+    ``trajectories``), concatenated into ``batch.extra[name]`` ``[T]``. ``tree``: also lay
+    the sequences out as a prefix tree when they share a prefix (``batch.tree``); the
+    per-token tensors stay flat.
     """
     idx = list(range(len(trajectories))) if indices is None else list(indices)
     if not idx:
@@ -91,7 +110,9 @@ def pack(
             [x for t in trajs for x in (t.temperatures or [1.0] * len(t.input_ids))],
             dtype=torch.float32,
         )  # [T]
+    layout = _tree([t.input_ids for t in trajs], temperatures, lengths.tolist()) if tree else None
     return PackedBatch(
+        tree=layout,
         input_ids=torch.tensor([[x for t in trajs for x in t.input_ids]], dtype=torch.long),
         position_ids=torch.cat([torch.arange(n) for n in lengths.tolist()])[None],
         cu_seqlens=cu,
@@ -106,6 +127,19 @@ def pack(
         temperatures=temperatures,
         lengths=lengths.tolist(),
     )
+
+
+def _tree(
+    seqs: list[list[int]], temperatures: torch.Tensor | None, lengths: list[int]
+) -> prefix_tree.TreeLayout | None:
+    """The sequences' prefix tree, or None where they share nothing. Tokens scored at
+    different temperatures do not merge (their logprobs differ)."""
+    keys = None
+    if temperatures is not None:
+        _, codes = torch.unique(temperatures, return_inverse=True)  # [T]
+        keys = [c.tolist() for c in codes.split(lengths)]
+    layout = prefix_tree.build(seqs, keys)
+    return layout if layout.num_tokens < sum(lengths) else None
 
 
 def micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
@@ -174,9 +208,21 @@ def packed_logprobs(
     or kept. False (or a model whose logits are not a plain projection): the model's own
     ``[T, V]`` logits, scored chunk by chunk (what the benchmarks call "today").
     """
+    attention = getattr(model.config, "_attn_implementation", None)
+    if batch.tree is not None and attention == PACKED_ATTENTION:
+        return _tree_logprobs(
+            model,
+            batch,
+            batch.tree,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            entropy_grad=entropy_grad,
+            chunk_tokens=chunk_tokens,
+            from_hidden=from_hidden,
+        )
     ids, pos = batch.input_ids, batch.position_ids  # [1, T], [1, T]
     kwargs: dict = {"position_ids": pos, "use_cache": False}
-    if getattr(model.config, "_attn_implementation", None) in PACKED_IMPLEMENTATIONS:
+    if attention in PACKED_IMPLEMENTATIONS:
         kwargs.update(packed_attention_kwargs(batch.cu_seqlens, batch.lengths))
     else:
         kwargs["attention_mask"] = block_causal_mask(
@@ -185,20 +231,10 @@ def packed_logprobs(
     targets = ids[0, 1:]  # [T-1]
     temps = None if temperature is not None or batch.temperatures is None else batch.temperatures
     scale = temps[1:, None] if temps is not None else temperature  # [T-1, 1] | float | None
-    place = output_head(model) if from_hidden else None
-    if place is not None:
-        with hidden_states_out(model, place):
-            rows = model(input_ids=ids, **kwargs).logits[0, :-1]  # [T-1, H]: row t → token t+1
-        head, recompute = place[2], True
-    else:
-        # The model's own logits, scored chunk by chunk so that, without grad (proximal and
-        # reference passes), no float32 copy of all T x V of them is alive at once; with
-        # grad, autograd keeps each chunk anyway.
-        rows = model(input_ids=ids, **kwargs).logits[0, :-1]  # [T-1, V]
-        head, recompute = torch.nn.Identity(), False
+    rows, head, recompute = _rows(model, ids, kwargs, from_hidden)  # [T, H | V]
     scores = chunked_scores(
         head,
-        rows,
+        rows[:-1],  # row t → token t+1
         targets,
         scale,
         with_entropy=with_entropy,
@@ -212,6 +248,72 @@ def packed_logprobs(
         if entropy is not None:
             ents.append(entropy)  # [C]
     return _per_token(batch, lps, ents, with_entropy)
+
+
+def _rows(
+    model: torch.nn.Module, ids: torch.Tensor, kwargs: dict, from_hidden: bool
+) -> tuple[torch.Tensor, torch.nn.Module, bool]:
+    """The forward's rows: ``[T, H]`` last hidden states to score against the output head
+    (``chunked_scores`` recomputes each chunk's logits in the backward), or the model's own
+    ``[T, V]`` logits; with the head that scores them and whether to recompute."""
+    place = output_head(model) if from_hidden else None
+    if place is not None:
+        with hidden_states_out(model, place):
+            rows = model(input_ids=ids, **kwargs).logits[0]  # [T, H]
+        return rows, place[2], True
+    # The model's own logits, scored chunk by chunk so that, without grad (proximal and
+    # reference passes), no float32 copy of all T x V of them is alive at once; with
+    # grad, autograd keeps each chunk anyway.
+    return model(input_ids=ids, **kwargs).logits[0], torch.nn.Identity(), False  # [T, V]
+
+
+def _tree_logprobs(
+    model: torch.nn.Module,
+    batch: PackedBatch,
+    tree: prefix_tree.TreeLayout,
+    *,
+    temperature: float | None,
+    with_entropy: bool,
+    entropy_grad: bool,
+    chunk_tokens: int,
+    from_hidden: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``packed_logprobs`` over the batch's prefix tree: the forward runs over the tree's
+    ``N`` tokens; each tree token is scored once, from the row of the token before it in
+    its sequences, and every flat token takes its tree token's score (``[T]`` tensors as
+    the flat path returns, 0 at each sequence's first token)."""
+    kwargs: dict = {"position_ids": tree.position_ids, "use_cache": False}
+    kwargs.update(tree_attention_kwargs(tree.lengths, tree.ancestors))
+    rows, head, recompute = _rows(model, tree.input_ids, kwargs, from_hidden)  # [N, H | V]
+    scored = torch.nonzero(tree.pred >= 0).reshape(-1)  # [P]: all but each root's first token
+    scale: torch.Tensor | float | None = temperature
+    if temperature is None and batch.temperatures is not None:
+        temps = batch.temperatures.new_ones(tree.num_tokens)  # [N]
+        temps[tree.flat_index] = batch.temperatures  # merged tokens share their temperature
+        scale = temps[scored, None]  # [P, 1]
+    scores = chunked_scores(
+        head,
+        rows[tree.pred[scored]],  # [P, H | V]
+        tree.input_ids[0, scored],  # [P]
+        scale,
+        with_entropy=with_entropy,
+        entropy_grad=entropy_grad,
+        chunk_tokens=chunk_tokens,
+        recompute=recompute,
+    )
+    lps, ents = [], []
+    for logprobs, entropy in scores:
+        lps.append(logprobs)  # [C]
+        if entropy is not None:
+            ents.append(entropy)  # [C]
+    # Tree token -> its score's place; each root's first token (a sequence's first) -> 0.
+    slot = torch.full((tree.num_tokens,), len(scored), device=scored.device)  # [N]
+    slot[scored] = torch.arange(len(scored), device=scored.device)
+    flat_slot = slot[tree.flat_index]  # [T]
+    zero = batch.logprobs.new_zeros(1)
+    logprobs = torch.cat([*lps, zero])[flat_slot]  # [T]
+    entropy = torch.cat([*ents, zero])[flat_slot] if with_entropy else None  # [T]
+    return logprobs, entropy
 
 
 def _per_token(

@@ -29,12 +29,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rl_core import lora
+from rl_core import lora, prefix_tree
 from rl_core.advantages import token_advantages
 from rl_core.attention import packed_attention_implementation
 from rl_core.config import RunConfig
 from rl_core.correction import MismatchMeter, correct, keeps_denominator
-from rl_core.distributed import rank_micro_batches
+from rl_core.distributed import rank_micro_batches, tree_rank_micro_batches
 from rl_core.failpoints import failpoint
 from rl_core.hf import config_dtype
 from rl_core.loss import LossConfig, ppo_loss
@@ -136,7 +136,7 @@ class PPOTrainer(TrainerSaving):
         self._sender = WeightSender()  # distributed weight updates (rl_core.weight_sync)
 
     def _load(self, dtype: torch.dtype, prepare: Callable[[Any], Any], param_dtype=None) -> Any:
-        attention = packed_attention_implementation(self.device)
+        attention = packed_attention_implementation(self.device, tree=self.cfg.prefix_tree)
         if self.fsdp:
             return load_sharded(self.model_path, self.cfg, dtype, self.device, attention,
                                 param_dtype=param_dtype, prepare=prepare,
@@ -198,9 +198,11 @@ class PPOTrainer(TrainerSaving):
         stats.update(adv_stats)
 
         with timer.phase("pack"):
-            plan = self._plan(batch, advantages)
+            plan, (computed, flat) = self._plan(batch, advantages)
 
         acc = StatsAccumulator()
+        # The tokens the model runs over per packed token: below 1 where prefix trees share.
+        acc.add({"perf/computed_tokens_per_token": computed / max(flat, 1)}, weight=flat)
         mismatch = MismatchMeter(
             cfg.behav_imp_weight_cap, cfg.correction_ratio_low, cfg.correction_ratio_high
         )
@@ -285,20 +287,27 @@ class PPOTrainer(TrainerSaving):
 
     def _plan(
         self, batch: list[Trajectory], advantages: list[torch.Tensor]
-    ) -> list[tuple[float, list[PackedBatch]]]:
-        """Minibatches as ``(normalizer, this rank's packed micro-batches)``.
+    ) -> tuple[list[tuple[float, list[PackedBatch]]], tuple[int, int]]:
+        """Minibatches as ``(normalizer, this rank's packed micro-batches)``, and the tokens
+        the model runs over on this rank with the tokens packed (``(computed, flat)``).
 
         Each minibatch's sequences are split over the ranks by token count
         (``rl_core.distributed.rank_micro_batches``). The minibatch order is a
         permutation seeded by (seed, version): the same on every rank and again after
-        resuming from a checkpoint.
+        resuming from a checkpoint. With ``prefix_tree`` the permutation moves groups of
+        sequences that share a prefix (``prefix_tree.clusters``), which stay together in a
+        micro-batch where they fit, and the tokens counted are the trees'.
         """
         cfg = self.cfg
         versions = [torch.tensor(t.versions) for t in batch]  # [L_i] each
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.version)
-        order = torch.randperm(len(batch), generator=gen).tolist()
+        if cfg.prefix_tree:  # sequences that share a prefix stay in one minibatch where they fit
+            groups_of = prefix_tree.clusters([t.input_ids for t in batch])
+            order = [i for g in torch.randperm(len(groups_of), generator=gen) for i in groups_of[g]]
+        else:
+            order = torch.randperm(len(batch), generator=gen).tolist()
         n_minibatches = min(cfg.ppo_minibatches, len(batch))
-        plan = []
+        plan, tokens = [], [0, 0]
         for chunk in torch.tensor_split(torch.tensor(order), n_minibatches):
             members = chunk.tolist()
             # The whole minibatch's count, so micro-batch losses on every rank sum to its mean.
@@ -306,14 +315,27 @@ class PPOTrainer(TrainerSaving):
                 normalizer = float(len(members))
             else:  # token 0 of a sequence is never trained (see pack)
                 normalizer = float(sum(sum(batch[i].loss_mask[1:]) for i in members))
-            lengths = [len(batch[i].input_ids) for i in members]
-            groups, most = rank_micro_batches(
-                lengths, self.world_size, self.rank, cfg.micro_batch_tokens
-            )
+            if cfg.prefix_tree:
+                groups, most = tree_rank_micro_batches(
+                    [batch[i].input_ids for i in members],
+                    self.world_size,
+                    self.rank,
+                    cfg.micro_batch_tokens,
+                )
+            else:
+                lengths = [len(batch[i].input_ids) for i in members]
+                groups, most = rank_micro_batches(
+                    lengths, self.world_size, self.rank, cfg.micro_batch_tokens
+                )
             extra = {"advantages": advantages, "versions": versions}
             micro = [
-                pack(batch, [members[j] for j in g], extra=extra).to(self.device) for g in groups
+                pack(batch, [members[j] for j in g], extra=extra, tree=cfg.prefix_tree).to(
+                    self.device
+                )
+                for g in groups
             ]
+            tokens[0] += sum(mb.computed_tokens for mb in micro)
+            tokens[1] += sum(mb.num_tokens for mb in micro)
             if self.fsdp and len(micro) < most:
                 # FSDP2 runs collectives in every forward and backward: match the busiest
                 # rank with a micro-batch that trains nothing (no token in its loss mask).
@@ -321,7 +343,7 @@ class PPOTrainer(TrainerSaving):
                 padding.loss_mask.zero_()
                 micro += [padding.to(self.device)] * (most - len(micro))
             plan.append((normalizer, micro))
-        return plan
+        return plan, (tokens[0], tokens[1])
 
     def _recounted(
         self, plan: list[tuple[float, list[PackedBatch]]]

@@ -347,6 +347,9 @@ async def test_the_tiny_model_learns_the_toy_task(tiny_model_dir, engine, tmp_pa
     first, last = rewards[0], sum(rewards[-5:]) / 5
     assert first < 0.1, rewards
     assert last > first + 0.5, rewards
+    # It trained prefix trees (the default): each group's prompt ran once for its 8 answers.
+    computed = reporter.series("perf/computed_tokens_per_token")
+    assert cfg.prefix_tree and max(computed) < 0.8, computed
     after = _params(trainer)
     assert any(not torch.equal(before[k], after[k]) for k in before), "parameters must change"
     # The servers serve the trained weights: they report the trainer's version.
