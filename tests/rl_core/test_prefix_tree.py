@@ -288,15 +288,20 @@ def _pre_step_grads(trainer):
     return seen
 
 
-@pytest.mark.parametrize("lora_rank", [0, 8], ids=["full", "lora"])
-def test_a_trainer_step_with_trees_equals_the_flat_step(tiny_model_dir, lora_rank):
+@pytest.mark.parametrize(
+    "settings",
+    [{}, {"lora_rank": 8}, {"gradient_checkpointing": True, "kl_coef": 0.1}],
+    ids=["full", "lora", "checkpointing+kl"],
+)
+def test_a_trainer_step_with_trees_equals_the_flat_step(tiny_model_dir, settings):
     """The same batch through PPOTrainer with and without prefix trees: the same loss and
-    gradients (read before the optimizer steps), far fewer tokens computed."""
+    gradients (read before the optimizer steps), far fewer tokens computed; with LoRA, and
+    with gradient checkpointing and a reference model's KL term (its pass uses the tree too)."""
     results = {}
     for tree in (False, True):
         torch.manual_seed(0)  # the LoRA adapters' initialisation
         trainer = PPOTrainer(
-            _trainer_cfg(tiny_model_dir, prefix_tree=tree, lora_rank=lora_rank), device="cpu"
+            _trainer_cfg(tiny_model_dir, prefix_tree=tree, **settings), device="cpu"
         )
         grads = _pre_step_grads(trainer)
         stats = trainer.train_step(_groups_batch())
