@@ -151,11 +151,6 @@ async def test_adapter_sync_from_trainer_actors_serves_the_trained_adapter(
         await asyncio.to_thread(group.close)
 
 
-@pytest.mark.skipif(
-    os.environ.get("CI") == "true",
-    reason="quarantined in CI: a trainer worker died (ActorDiedError) in the disk fallback's "
-    "save_weights in 1 of 3 fresh-clone runs of session 24 (green in the other two)",
-)
 async def test_a_server_dying_between_updates_stops_the_sync_and_the_workers_train_on(
     torch_engine_factory, tiny_model_dir, tmp_path
 ):
