@@ -94,10 +94,13 @@ async def run_steps(n: int, agent_id: str, key: str, whole_only: bool = False) -
     from webapp.asgi import application
     from webapp.gateway import turns
     from webapp.gateway.chat_request import parse_chat_request
-    from webapp.gateway.completions import Reply, _completion, _respond, _tokenizer
     from webapp.gateway.inference import generate
     from webapp.gateway.lane import lane
     from webapp.gateway.prompts import build_prompt
+    from webapp.gateway.prompts import tokenizer as _tokenizer
+    from webapp.gateway.replies import Reply
+    from webapp.gateway.replies import completion as _completion
+    from webapp.gateway.replies import respond as _respond
 
     body = json.dumps(g.CHAT_BODY).encode()
     path = f"/agents/{agent_id}/v1/chat/completions"

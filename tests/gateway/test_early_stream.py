@@ -14,6 +14,7 @@ import pytest
 
 from tests.gateway.test_retries import HI, _slow
 from webapp.gateway import completions, early
+from webapp.gateway.lane import in_lane
 from webapp.gateway.models import Interaction
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -36,7 +37,7 @@ async def _running_soon(engine, deadline_s: float = 10.0) -> bool:
     return False
 
 
-def _stream(gw, db=completions.in_lane, max_tokens: int = 4):
+def _stream(gw, db=in_lane, max_tokens: int = 4):
     # Greedy: a sampled stop token could end it before it is seen running or aborted.
     body = {
         "model": gw.model,
@@ -66,7 +67,7 @@ def test_a_repeated_stream_is_generating_before_its_begin_trip_answers(gw, engin
     async def watching(operation, durable=True):
         if not begin_saw_engine:  # the begin trip: does the engine already generate?
             begin_saw_engine.append(await _running_soon(engine))
-        return await completions.in_lane(operation, durable=durable)
+        return await in_lane(operation, durable=durable)
 
     async def scenario():
         early.EARLY_RUNS.forget((str(gw.agent.id), _key_hash(gw)))
@@ -90,7 +91,7 @@ def test_without_a_recent_stream_nothing_starts_before_the_begin_trip(gw, engine
     async def watching(operation, durable=True):
         if not begin_saw_engine:
             begin_saw_engine.append(await _running_soon(engine, deadline_s=1.0))
-        return await completions.in_lane(operation, durable=durable)
+        return await in_lane(operation, durable=durable)
 
     async def scenario():
         early.EARLY_RUNS.forget((str(gw.agent.id), _key_hash(gw)))

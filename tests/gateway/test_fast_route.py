@@ -190,7 +190,7 @@ class FakeDjango:
 
 def test_the_asgi_application_sends_only_an_agents_calls_to_the_fast_route(monkeypatch):
     from webapp.asgi import application
-    from webapp.gateway.completions import Reply
+    from webapp.gateway.replies import Reply
 
     served: list[tuple[str, str]] = []
 

@@ -15,9 +15,9 @@ from django.db import connection, transaction
 
 from webapp.accounts.keys import SESSION_KEY_PREFIX, generate_key
 from webapp.gateway import deltas, earlier_turns, episodes, inflight, turns
+from webapp.gateway.chat_request import PreviousTurn
 from webapp.gateway.last_turns import KnownTurn, LastTurns
 from webapp.gateway.models import Interaction
-from webapp.gateway.prompts import PreviousTurn
 from webapp.runs.services import run_mark_running
 
 TOOLS = [

@@ -7,7 +7,8 @@ import random
 import pytest
 
 from rl_core.chat import ChatTokenizer
-from webapp.gateway.prompts import PreviousTurn, build_prompt
+from webapp.gateway.chat_request import PreviousTurn
+from webapp.gateway.prompts import build_prompt
 
 SYSTEM = {"role": "system", "content": "Answer briefly."}
 

@@ -8,7 +8,8 @@ import pytest
 
 from rl_core.chat import ChatTokenizer, stand_in
 from tests.gateway.test_tools_on_any_template import NO_TOOLS, with_template
-from webapp.gateway.prompts import PreviousTurn, build_prompt
+from webapp.gateway.chat_request import PreviousTurn
+from webapp.gateway.prompts import build_prompt
 
 # Llama 2's shape: the system prompt folded into the first user turn, roles checked to
 # alternate by position (a message's index parity), the BOS before every user turn.

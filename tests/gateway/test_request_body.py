@@ -1,6 +1,6 @@
 """A request body holding text no database can store (NUL, a lone surrogate) is refused however
 it spells it; every other body is parsed as ``json.loads`` parses it
-(``completions.parse_json_body``, which skips the walk over every value when the raw bytes
+(``chat_request.parse_json_body``, which skips the walk over every value when the raw bytes
 cannot hold such text)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from webapp.gateway.completions import parse_json_body
+from webapp.gateway.chat_request import parse_json_body
 from webapp.gateway.errors import GatewayError
 
 UNSTORABLE = [

@@ -9,8 +9,9 @@ from django.utils import timezone
 from openai import APIStatusError, ConflictError
 
 from webapp.accounts.keys import SESSION_KEY_PREFIX, hash_key
+from webapp.gateway.chat_request import PreviousTurn
 from webapp.gateway.models import Interaction, Session
-from webapp.gateway.prompts import PreviousTurn, build_prompt
+from webapp.gateway.prompts import build_prompt
 from webapp.gateway.selectors import session_trajectories
 from webapp.gateway.tasks import sessions_expire_idle
 

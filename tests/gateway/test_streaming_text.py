@@ -94,7 +94,7 @@ def test_without_logprobs_tokens_that_arrive_together_are_decoded_together(chat_
 
 
 def test_the_matched_stop_is_the_engines_word_else_the_first_in_the_text():
-    from webapp.gateway.chat_request import matched_stop
+    from webapp.gateway.replies import matched_stop
 
     stops = ["abc", "ab", "zz"]
     assert matched_stop("xx ab and zz", stops, "zz") == "zz"  # the engine named it

@@ -36,8 +36,10 @@ from webapp.gateway.chat_events import (
     chat_turn,
     final_completion,
 )
-from webapp.gateway.completions import Reply, in_lane, parse_json_body
+from webapp.gateway.chat_request import parse_json_body
 from webapp.gateway.errors import GatewayError, bad_request
+from webapp.gateway.lane import in_lane
+from webapp.gateway.replies import Reply
 
 _ERROR_TYPES = {
     400: "invalid_request_error",

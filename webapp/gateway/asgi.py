@@ -29,9 +29,10 @@ from django.http.request import split_domain_port, validate_host
 from webapp import observability
 from webapp.gateway import rl
 from webapp.gateway.anthropic_api import anthropic_error, create_message
-from webapp.gateway.completions import Reply, chat_completion
+from webapp.gateway.completions import chat_completion
 from webapp.gateway.errors import GatewayError, database_unavailable
 from webapp.gateway.lane import DB_ERRORS
+from webapp.gateway.replies import Reply
 from webapp.gateway.responses_api import create_response
 from webapp.middleware import too_large_body
 

@@ -25,8 +25,10 @@ from dataclasses import dataclass
 import orjson
 
 from rl_core.jsonbytes import json_bytes
-from webapp.gateway.completions import Reply, chat_completion, in_lane
+from webapp.gateway.completions import chat_completion
 from webapp.gateway.errors import GatewayError
+from webapp.gateway.lane import in_lane
+from webapp.gateway.replies import Reply
 
 
 @dataclass(frozen=True)

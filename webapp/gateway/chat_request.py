@@ -1,4 +1,11 @@
-"""Parsing and validating chat-completion requests. Pure: no I/O, no Django models."""
+"""A chat-completion request: its body parsed and validated, and what its messages continue.
+
+``read_chat_request`` is the chat path's first step: the JSON body (``parse_json_body``, which
+every agent endpoint reads its body with), checked field by field into a ``ChatRequest``, and
+its fingerprint. Whether a request's messages continue an earlier turn (``continued_choice``
+of a ``PreviousTurn``) is decided here too, by what reaches the model (``normalize_message``).
+Pure: no I/O, no Django models.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +14,8 @@ import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
+
+import orjson
 
 from rl_core.jsonbytes import json_bytes
 from webapp.gateway.errors import bad_request
@@ -38,10 +47,11 @@ class ChatRequest:
     repetition_penalty: float = 1.0  # SGLang's and vLLM's extension, like top_k
     min_p: float = 0.0  # SGLang's and vLLM's extension, like top_k
     min_tokens: int = 0  # vLLM's extension (SGLang's min_new_tokens): no stop before this many
+    # The tools the template renders: none when tool_choice is "none".
+    rendered_tools: list[dict] | None = field(init=False, default=None)
 
-    @property
-    def rendered_tools(self) -> list[dict] | None:
-        return None if self.tool_choice == "none" else self.tools
+    def __post_init__(self) -> None:
+        self.rendered_tools = None if self.tool_choice == "none" else self.tools
 
     def fingerprint(self) -> str:
         """Identifies a re-sent request (an SDK retry): same messages, tools and sampling settings."""
@@ -193,6 +203,57 @@ def _messages(body: dict) -> list[dict]:
     return messages
 
 
+def read_chat_request(body: bytes, content_type: str) -> tuple[ChatRequest, str]:
+    """The request a chat-completions body holds, validated (a 400 in OpenAI's shape when it is
+    not), and its fingerprint (``ChatRequest.fingerprint``)."""
+    chat = parse_chat_request(parse_json_body(body, content_type))
+    return chat, chat.fingerprint()
+
+
+# Nineteen digits in a row: a number that may not fit in 64 bits (or digits in a string).
+_DIGITS = bytes(1 if 0x30 <= byte <= 0x39 else 0 for byte in range(256))
+_LONG_RUN = b"\x01" * 19
+
+
+def _has_long_number(body: bytes) -> bool:
+    return body.translate(_DIGITS).find(_LONG_RUN) >= 0  # both in C: ~5 us for 11 KB
+
+
+def parse_json_body(body: bytes, content_type: str) -> object:
+    """An agent endpoint's JSON body; a 400 for another media type, invalid JSON or a string
+    the database cannot store (``check_storable``)."""
+    media_type = content_type.split(";", 1)[0].strip().lower()
+    if media_type not in ("application/json", ""):
+        raise bad_request(
+            "Send the body as JSON (Content-Type: application/json).", code="invalid_content_type"
+        )
+    try:
+        if _has_long_number(body):  # orjson reads integers over 64 bits as floats
+            raise orjson.JSONDecodeError("", "", 0)
+        parsed = orjson.loads(body or b"null")  # ~3x json's on a long session's history
+    except orjson.JSONDecodeError:
+        try:  # what orjson refuses or changes and json reads (NaN, lone surrogates, 2**70)
+            parsed = json.loads(body or b"null")
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested too deeply
+            raise bad_request(f"The body is not valid JSON: {exc}.", code="invalid_json") from None
+    if not _plainly_storable(body):
+        check_storable(parsed)
+    return parsed
+
+
+def _plainly_storable(body: bytes) -> bool:
+    """True when no string parsed from ``body`` can hold a NUL or a lone surrogate, which
+    ``check_storable`` looks for by walking every value. ``json.loads`` reads a body with no
+    zero byte and no UTF-16/32 byte order mark as UTF-8; there a NUL or a surrogate comes
+    only from a ``\\u`` escape or from the UTF-8 bytes of a surrogate (lead byte 0xED)."""
+    return (
+        b"\\u" not in body
+        and b"\xed" not in body
+        and b"\x00" not in body
+        and not body.startswith((b"\xff\xfe", b"\xfe\xff"))
+    )
+
+
 def parse_chat_request(body: Any) -> ChatRequest:
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object.", code="invalid_json")
@@ -317,21 +378,6 @@ def check_storable(body: Any) -> None:
             stack.extend(value)
 
 
-def storable_text(text: str) -> str:
-    """Generated text as recorded and returned: a generated NUL becomes U+FFFD, as undecodable bytes do."""
-    return text.replace("\x00", "\ufffd")
-
-
-def matched_stop(text: str, stops: list[str], engine_said: Any = None) -> str | None:
-    """The stop string that ended ``text`` (SGLang's ``matched_stop``): the engine's word for
-    it when it names one of ``stops``, else the one found first in the text (the shortest of
-    those starting there, which the engine meets first), or None."""
-    if isinstance(engine_said, str) and engine_said in stops:
-        return engine_said
-    found = [(text.find(s), len(s), s) for s in stops if s and s in text]
-    return min(found)[2] if found else None
-
-
 def content_text(content: Any) -> str:
     if content is None:
         return ""
@@ -372,3 +418,35 @@ def normalize_message(message: dict) -> dict:
     if message.get("tool_call_id"):
         out["tool_call_id"] = message["tool_call_id"]
     return out
+
+
+# --- What the messages continue ------------------------------------------------------------
+
+
+@dataclass
+class PreviousTurn:
+    """A recorded turn as the next one continues it (``webapp.gateway.prompts``)."""
+
+    messages: list[dict]
+    tools: list[dict] | None
+    input_ids: list[int]
+    choices: list[dict]  # per choice: {"output_ids": [...], "message": {...as returned}}
+    key: str | None = None  # its interaction id, under which its prompt's text may be remembered
+    turn: int | None = None  # its number in the session
+
+
+def continued_choice(messages: list[dict], previous: PreviousTurn) -> int | None:
+    """Index of the previous turn's choice that ``messages`` continue with, if they extend it."""
+    k = len(previous.messages)
+    if len(messages) <= k:
+        return None
+    # Equal messages normalise equally: the usual re-sent history costs one comparison.
+    if messages[:k] != previous.messages and [normalize_message(m) for m in messages[:k]] != [
+        normalize_message(m) for m in previous.messages
+    ]:
+        return None
+    answer = normalize_message(messages[k])
+    for index, choice in enumerate(previous.choices):
+        if normalize_message(choice["message"]) == answer:
+            return index
+    return None

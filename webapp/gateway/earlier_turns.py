@@ -9,9 +9,8 @@ as ``webapp.gateway.turns``; a turn stored as what it added is read whole
 from __future__ import annotations
 
 from webapp.gateway import deltas, sql
-from webapp.gateway.chat_request import normalize_message
+from webapp.gateway.chat_request import PreviousTurn, continued_choice, normalize_message
 from webapp.gateway.models import Interaction, Session
-from webapp.gateway.prompts import PreviousTurn, continued_choice
 
 _INTERACTIONS = Interaction._meta.db_table
 

@@ -2,53 +2,26 @@
 
 A project key's stream whose caller had a one-turn stream served in the last ``EARLY_TTL_S``
 starts its engine request at once, made for the run that served that stream, while the begin
-trip (authentication and admission) runs. The early generation is used only if the trip's
-answer asks for the very same request (``engine_request``: run, version and adapter, prompt
-ids, sampling); otherwise, or when the trip refuses, it is aborted on the engine and nothing of
-it is recorded. The time to the first token then no longer includes the trip.
+trip (authentication and admission) runs (``begin_beside``). The early generation is used only
+if the trip's answer asks for the very same request (``inference.engine_request``: run, version
+and adapter, prompt ids, sampling); otherwise, or when the trip refuses, it is aborted on the
+engine and nothing of it is recorded. The time to the first token then no longer includes the
+trip.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 
-from django.conf import settings
-
-from rl_core.chat import ChatTemplateError, ChatTokenizer
-from rl_core.inference.adapters import current_adapter
+from rl_core.chat import ChatTemplateError
 from webapp.gateway import turns
 from webapp.gateway.caches import CACHES
 from webapp.gateway.chat_request import ChatRequest
-from webapp.gateway.inference import StreamingGeneration
+from webapp.gateway.inference import StreamingGeneration, engine_request, generate_stream
 from webapp.gateway.prompts import fresh_prompt
-
-
-def engine_request(
-    chat: ChatRequest, tok: ChatTokenizer, run: turns.RunInfo, sticky: str, input_ids: list[int]
-) -> dict:
-    """What the run's inference servers are asked for (``inference.generate``'s arguments)."""
-    max_new = min(chat.max_tokens, settings.GATEWAY_MAX_NEW_TOKENS)
-    return {
-        "run_id": run.id,
-        "sticky": sticky,
-        "input_ids": input_ids,
-        "sampling_params": chat.sampling_params(
-            max_new_tokens=max_new, stop_token_ids=tok.eos_token_ids
-        ),
-        "n": chat.n,
-        "seed": chat.seed,
-        "top_logprobs": chat.top_logprobs,
-        # A LoRA run serves each policy version as its own adapter (rl_core.adapter_sync).
-        "lora_path": current_adapter(
-            str(run.id),
-            run.weight_version,
-            lora_rank=int(run.config.get("lora_rank") or 0),
-            init_checkpoint=run.config.get("init_checkpoint"),
-        ),
-        "pool": run.config.get("inference_pool") or "",
-    }
 
 
 class EarlyRuns:
@@ -108,8 +81,6 @@ class EarlyStream:
 def early_request(chat: ChatRequest, caller_key: tuple[str, str]) -> dict | None:
     """The engine request to start early for a stream whose caller's last one-turn stream was
     served recently (``EARLY_RUNS``), made as for that run; None when there is none."""
-    if not chat.stream:
-        return None
     run = EARLY_RUNS.get(caller_key)
     if run is None:
         return None
@@ -121,3 +92,24 @@ def early_request(chat: ChatRequest, caller_key: tuple[str, str]) -> dict | None
     except ChatTemplateError:
         return None
     return engine_request(chat, tok, run, "", input_ids)
+
+
+async def begin_beside(
+    trip: Awaitable[turns.Turn], ahead: dict, caller_key: tuple[str, str]
+) -> tuple[turns.Turn, EarlyStream | None]:
+    """The begin ``trip``, then the engine request ``ahead`` started beside it: the turn, and the
+    early stream to offer its engine request to (None for a retry's replay, which drops it). A
+    refused trip drops it too, and no stream of the caller starts early until one is served."""
+    begun = asyncio.ensure_future(trip)
+    early = EarlyStream(ahead, asyncio.ensure_future(generate_stream(**ahead)))
+    try:
+        turn = await begun
+    except BaseException:
+        begun.cancel()
+        EARLY_RUNS.forget(caller_key)
+        await early.drop()
+        raise
+    if turn.replay is not None:
+        await early.drop()
+        return turn, None
+    return turn, early

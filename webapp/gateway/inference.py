@@ -1,4 +1,5 @@
-"""Calling a run's inference servers: routing, failover, and the n parallel samples of a request."""
+"""Calling a run's inference servers: what a turn asks them for (``engine_request``), routing,
+failover, and the n parallel samples of a request."""
 
 from __future__ import annotations
 
@@ -6,10 +7,13 @@ import asyncio
 import random
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from asgiref.sync import sync_to_async
+from django.conf import settings
 from django.db import connections
 
+from rl_core.inference.adapters import current_adapter
 from rl_core.inference.client import (
     GenerateResult,
     InferenceClient,
@@ -23,6 +27,38 @@ from webapp.gateway.errors import GatewayError
 from webapp.gateway.lane import DB_ERRORS
 from webapp.gateway.services import inference_server_mark_down, inference_server_mark_up
 from webapp.pools import limits as pool_limits
+
+if TYPE_CHECKING:
+    from rl_core.chat import ChatTokenizer
+    from webapp.gateway.chat_request import ChatRequest
+    from webapp.gateway.turns import RunInfo
+
+
+def engine_request(
+    chat: ChatRequest, tok: ChatTokenizer, run: RunInfo, sticky: str, input_ids: list[int]
+) -> dict:
+    """What the run's inference servers are asked for (``generate``'s and ``generate_stream``'s
+    arguments)."""
+    max_new = min(chat.max_tokens, settings.GATEWAY_MAX_NEW_TOKENS)
+    return {
+        "run_id": run.id,
+        "sticky": sticky,
+        "input_ids": input_ids,
+        "sampling_params": chat.sampling_params(
+            max_new_tokens=max_new, stop_token_ids=tok.eos_token_ids
+        ),
+        "n": chat.n,
+        "seed": chat.seed,
+        "top_logprobs": chat.top_logprobs,
+        # A LoRA run serves each policy version as its own adapter (rl_core.adapter_sync).
+        "lora_path": current_adapter(
+            str(run.id),
+            run.weight_version,
+            lora_rank=int(run.config.get("lora_rank") or 0),
+            init_checkpoint=run.config.get("init_checkpoint"),
+        ),
+        "pool": run.config.get("inference_pool") or "",
+    }
 
 
 def _in_thread(function):

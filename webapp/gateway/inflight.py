@@ -165,3 +165,22 @@ def _ms(seconds: float) -> int:
 
 
 SHARED = SharedInFlight()
+
+
+async def earlier_answer(key: Key) -> dict | None:
+    """For a retry: the answer of its attempt still generating in this process, once recorded;
+    else None, once no other web process is generating it either (the database then holds
+    its recorded answer, if any: ``turns.begin`` replays it)."""
+    answer = await IN_FLIGHT.answer(key)
+    if answer is None:
+        await SHARED.settled(key)
+    return answer
+
+
+@contextlib.asynccontextmanager
+async def generating(key: Key, *, retriable: bool) -> AsyncIterator[asyncio.Future[dict]]:
+    """Mark an attempt as generating, here (``IN_FLIGHT``) and, when ``retriable``, for the
+    other web processes (``SHARED``); set the future's result to its recorded response."""
+    with IN_FLIGHT.track(key) as answered:
+        async with SHARED.hold(key, retriable=retriable):
+            yield answered

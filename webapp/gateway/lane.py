@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 from asgiref.sync import sync_to_async
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, connection, connections, transaction
 
-from webapp.gateway.errors import GatewayError
+from webapp.gateway.errors import GatewayError, database_unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -311,3 +311,12 @@ _LANE = Lane()
 def lane() -> Lane:
     """This process's lane."""
     return _LANE
+
+
+async def in_lane(operation: Operation[T], *, durable: bool = True) -> T:
+    """Run an operation in this process's lane; a batch that could not commit is a 503. The
+    agent endpoints' ``db`` on the ASGI fast route (Django's views pass ``in_thread``)."""
+    try:
+        return await lane().run(operation, durable=durable)
+    except LaneError as exc:
+        raise database_unavailable(str(exc)) from None

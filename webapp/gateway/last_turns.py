@@ -1,7 +1,7 @@
 """Each session's last turn as this web process recorded it, so its next turn need not read it back.
 
 A chat turn on a session key continues the session's last turn: its messages, the prompt's and
-the answers' token ids (``prompts.PreviousTurn``), and its request hash and response (an SDK
+the answers' token ids (``chat_request.PreviousTurn``), and its request hash and response (an SDK
 retry of it gets that response again). ``turns.begin`` reads the session in one statement, and
 read that turn's columns with it at every turn: the whole conversation as JSON, parsed again,
 growing with every turn. A process that recorded the turn itself already holds all of it.
@@ -27,7 +27,7 @@ import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from webapp.gateway.prompts import PreviousTurn
+from webapp.gateway.chat_request import PreviousTurn
 
 MAX_SESSIONS = 4096
 MAX_TOKEN_IDS = 2_000_000  # prompt and answer ids over all copies (tens of MB of Python ints)

@@ -1,34 +1,33 @@
-"""Token-exact prompts across turns.
+"""A turn's prompt: its token ids, exact across the turns of a session.
 
-Within a session, when the new messages are the previous turn's messages plus the
-answer Steep returned plus new messages, the prompt is the previous turn's exact
-token stream (prompt + generated ids) followed by the rendering of only the new
-part. The trajectory is then the literal stream the model saw and produced, and a
-turn costs O(new tokens) to tokenize and, for a template whose rendering is local (most are:
+``turn_prompt`` is the chat path's prompt step. Within a session, when the new messages are the
+previous turn's messages plus the answer Steep returned plus new messages, the prompt is the
+previous turn's exact token stream (prompt + generated ids) followed by the rendering of only
+the new part. The trajectory is then the literal stream the model saw and produced, and a turn
+costs O(new tokens) to tokenize and, for a template whose rendering is local (most are:
 ``ChatTokenizer.renders_locally``), to render: the new part is rendered after a short stand-in
-for the conversation, not after the conversation itself. When the messages do not extend the last turn but an
-earlier one (a sub-agent's branch, or a fork; ``webapp.gateway.branches``), that turn's tokens
-are reused the same way (``earlier_turns.branch_parent`` finds it). Otherwise the messages are
-rendered afresh and the interaction records ``prefix_reused=False``.
+for the conversation, not after the conversation itself. When the messages do not extend the
+last turn but an earlier one (a sub-agent's branch, or a fork; ``webapp.gateway.branches``),
+that turn's tokens are reused the same way (``earlier_turns.branch_parent`` finds it).
+Otherwise the messages are rendered afresh and the interaction records ``prefix_reused=False``.
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from rl_core.chat import ChatTokenizer
-from webapp.gateway.chat_request import normalize_message, storable_text
+from rl_core.chat import ChatTemplateError, ChatTokenizer, load_chat_tokenizer
+from webapp.gateway import earlier_turns
+from webapp.gateway.caches import CACHES
+from webapp.gateway.chat_request import ChatRequest, PreviousTurn, continued_choice
 from webapp.gateway.deltas import Prefix
+from webapp.gateway.errors import GatewayError, bad_request
+from webapp.gateway.replies import storable_text
 
-
-@dataclass
-class PreviousTurn:
-    messages: list[dict]
-    tools: list[dict] | None
-    input_ids: list[int]
-    choices: list[dict]  # per choice: {"output_ids": [...], "message": {...as returned}}
-    key: str | None = None  # its interaction id, under which its prompt's text may be remembered
-    turn: int | None = None  # its number in the session
+if TYPE_CHECKING:
+    from webapp.gateway.turns import Turn
 
 
 @dataclass
@@ -37,6 +36,70 @@ class Prompt:
     reused: bool
     chosen: int | None = None  # which choice of the previous turn the conversation continued with
     prefix: Prefix | None = None  # the turn it continues, for storing only what it added
+    # Which of the session's last turn's choices the conversation continued with (``turn_prompt``;
+    # None for a branch, whose trajectory building reads it off the messages).
+    previous_chosen: int | None = None
+
+
+async def tokenizer(base_model: str) -> ChatTokenizer:
+    """A base model's chat tokenizer, loaded once per process (a 503 when it cannot be)."""
+    tok = CACHES.tokenizers.get(base_model)
+    if tok is None:
+        try:  # the first load reads files: off the event loop
+            tok = await asyncio.to_thread(load_chat_tokenizer, base_model)
+        except (OSError, ValueError) as exc:
+            raise GatewayError(
+                503,
+                f"Cannot load the tokenizer of {base_model}: {exc}",
+                code="tokenizer_unavailable",
+            ) from None
+        CACHES.tokenizers[base_model] = tok
+    return tok
+
+
+async def turn_prompt(
+    chat: ChatRequest, turn: Turn, db, interaction_id: str
+) -> tuple[ChatTokenizer, Prompt]:
+    """The run's tokenizer and the prompt of a turn: the last turn's exact tokens continued, or,
+    for a request that does not continue the last turn, those of the earlier turn it branches
+    from (``db`` runs the lookup), or a fresh render; a 400 when the template cannot render the
+    messages. The common path, continuing the last turn, costs no extra statement.
+    ``interaction_id`` names the prompt, whose text a turn continuing this one may then reuse
+    (``extend_prompt``)."""
+    tok = await tokenizer(turn.run.base_model)
+    return tok, await _prompt(tok, chat, turn, db, interaction_id)
+
+
+async def _prompt(
+    tok: ChatTokenizer, chat: ChatRequest, turn: Turn, db, interaction_id: str
+) -> Prompt:
+    last, messages, tools = turn.previous, chat.messages, chat.rendered_tools
+    try:
+        if last is not None:
+            extended = extend_prompt(tok, messages, tools, last, interaction_id)
+            if extended is not None:
+                extended.previous_chosen = extended.chosen
+                return extended
+            if turn.caller.session_turns > 1:
+                parent = await db(
+                    earlier_turns.branch_parent(
+                        session_id=turn.session_id,
+                        last_turn=turn.caller.session_turns - 1,
+                        messages=messages,
+                        tools=tools,
+                    ),
+                    durable=False,
+                )
+                if parent is not None:
+                    branched = extend_prompt(tok, messages, tools, parent, interaction_id)
+                    if branched is not None:
+                        return branched
+        fresh = fresh_prompt(tok, messages, tools)
+    except ChatTemplateError as exc:
+        raise bad_request(str(exc), param="messages") from None
+    if last is not None:
+        fresh.previous_chosen = continued_choice(messages, last)
+    return fresh
 
 
 def build_prompt(
@@ -56,23 +119,6 @@ def build_prompt(
 def fresh_prompt(tok: ChatTokenizer, messages: list[dict], tools: list[dict] | None) -> Prompt:
     """The messages rendered from scratch."""
     return Prompt(input_ids=tok.encode_messages(messages, tools), reused=False)
-
-
-def continued_choice(messages: list[dict], previous: PreviousTurn) -> int | None:
-    """Index of the previous turn's choice that ``messages`` continue with, if they extend it."""
-    k = len(previous.messages)
-    if len(messages) <= k:
-        return None
-    # Equal messages normalise equally: the usual re-sent history costs one comparison.
-    if messages[:k] != previous.messages and [normalize_message(m) for m in messages[:k]] != [
-        normalize_message(m) for m in previous.messages
-    ]:
-        return None
-    answer = normalize_message(messages[k])
-    for index, choice in enumerate(previous.choices):
-        if normalize_message(choice["message"]) == answer:
-            return index
-    return None
 
 
 def extend_prompt(

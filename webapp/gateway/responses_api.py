@@ -23,9 +23,11 @@ from webapp.accounts.auth import bearer_token
 from webapp.agents.models import Agent
 from webapp.gateway import earlier_turns, sql, turns
 from webapp.gateway.chat_events import chat_turn, final_completion
-from webapp.gateway.completions import Reply, in_lane, parse_json_body
+from webapp.gateway.chat_request import parse_json_body
 from webapp.gateway.errors import GatewayError, bad_request
+from webapp.gateway.lane import in_lane
 from webapp.gateway.models import Interaction, Session
+from webapp.gateway.replies import Reply
 from webapp.gateway.responses_render import render_response, response_stream
 
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}

@@ -2,9 +2,10 @@
 independent of the web framework.
 
 Each takes the request's parts and returns a ``Reply``, as ``completions.chat_completion``
-does: the ASGI fast route calls them with this process's lane, Django's views with
-``lane.in_thread``. Bad input is refused before the database is touched; the database work
-is one operation of ``webapp.gateway.episodes``, committed (durably) before the answer.
+does: the ASGI fast route calls them with this process's lane (``lane.in_lane``), Django's
+views with ``lane.in_thread``. Bad input is refused before the database is touched; the
+database work is one operation of ``webapp.gateway.episodes``, committed (durably) before
+the answer.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ import math
 from webapp.accounts.auth import bearer_token
 from webapp.accounts.keys import SESSION_KEY_PREFIX, generate_key
 from webapp.gateway import episodes, turns
-from webapp.gateway.completions import Reply, in_lane, parse_json_body
+from webapp.gateway.chat_request import parse_json_body
 from webapp.gateway.errors import GatewayError, bad_request
+from webapp.gateway.lane import in_lane
+from webapp.gateway.replies import Reply
 
 
 async def start_session(

@@ -28,9 +28,10 @@ import orjson
 from rl_core.chat import TOOL_CALL_RE, parse_tool_calls
 from rl_core.inference.client import GenerateChunk, InferenceError
 from webapp.gateway import turns
-from webapp.gateway.chat_request import ChatRequest, matched_stop, storable_text
+from webapp.gateway.chat_request import ChatRequest
 from webapp.gateway.errors import GatewayError
 from webapp.gateway.inference import StreamingGeneration
+from webapp.gateway.replies import matched_stop, storable_text
 
 TOOL_CALL_OPEN = "<tool_call>"
 # Recorded in place of the request's fingerprint: an aborted turn is never replayed to a retry.

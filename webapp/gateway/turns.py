@@ -34,10 +34,10 @@ from webapp.accounts.models import APIKey
 from webapp.accounts.services import LAST_USED_RESOLUTION
 from webapp.agents.models import Agent
 from webapp.gateway import admission, deltas, earlier_turns, lifecycle, sql
+from webapp.gateway.chat_request import PreviousTurn
 from webapp.gateway.errors import GatewayError
 from webapp.gateway.last_turns import LAST_TURNS, KnownTurn
 from webapp.gateway.models import Interaction, Session
-from webapp.gateway.prompts import PreviousTurn
 from webapp.runs.models import Run
 
 REPLAY_WINDOW = timedelta(minutes=10)  # how long a one-turn completion answers an SDK retry

@@ -18,9 +18,10 @@ from django.views.decorators.csrf import csrf_exempt
 from webapp.accounts.auth import bearer_token
 from webapp.gateway import rl, turns
 from webapp.gateway.anthropic_api import anthropic_error, create_message
-from webapp.gateway.completions import Reply, chat_completion, model_id
+from webapp.gateway.completions import chat_completion
 from webapp.gateway.errors import GatewayError
 from webapp.gateway.lane import in_thread
+from webapp.gateway.replies import Reply, model_id
 from webapp.gateway.responses_api import create_response
 from webapp.middleware import too_large_body
 
