@@ -108,9 +108,11 @@ def reinforce_pp(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return ((r - b) / s).float()
 
 
-def _advantage_stats(adv: torch.Tensor, singletons: int, all_zero: bool) -> dict[str, float]:
+def _advantage_stats(
+    adv: torch.Tensor, singletons: int, all_zero: bool, warn: bool = True
+) -> dict[str, float]:
     """Stats of episode-level advantages ``adv [N]``; warns when nothing would be trained."""
-    if all_zero:
+    if all_zero and warn:
         logger.warning(
             "All advantages are zero: every group's rewards are identical, so this step trains nothing. "
             "Check that the reward function separates good answers from bad ones, or raise group_size."
@@ -163,6 +165,8 @@ def token_advantages(
         flat.append((r[i] - b[i]) / s[i])
     # Judged per token: later turns can carry signal even when episode-level advantages are zero.
     all_zero = all(bool((a.abs() < _ZERO).all()) for a in out)
+    # A teacher's per-token signal (rl_core.distill) trains a batch whose rewards are all equal.
+    distilled = any(t.teacher_logprobs is not None for t in trajectories)
     return out, _advantage_stats(
-        torch.stack(flat) if flat else torch.zeros(0), singletons, all_zero
+        torch.stack(flat) if flat else torch.zeros(0), singletons, all_zero, warn=not distilled
     )

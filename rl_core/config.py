@@ -8,13 +8,12 @@ validated in exactly one place. This module imports nothing heavy (no torch).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from rl_core.reward_specs import REWARD_TYPES_DOC, reward_spec_errors
+from rl_core.reward_specs import reward_spec_errors
 
 MODES = ("online", "dataset")
 INFERENCE_BACKENDS = ("auto", "torch", "sglang", "vllm")
@@ -269,6 +268,35 @@ class RunConfig:
         min=0.0,
         max=1.0,
     )
+    # On-policy distillation (rl_core.distill)
+    teacher_url: str = _f(
+        "",
+        "On-policy distillation: the teacher's server, which scores every token the student was served (its logprob in the same context); each trained token's advantage gains distill_weight x (teacher logprob - student logprob). Empty: no teacher. Its tokenizer must be the student's.",
+        advanced=True,
+    )
+    teacher_api: str = _f(
+        "sglang",
+        "How to ask teacher_url for logprobs: sglang = /generate with prompt logprobs (SGLang, Steep's torch engine); vllm = vLLM's /inference/v1/generate with prompt_logprobs; openai = an OpenAI-compatible /completions echoing the prompt's logprobs (teacher_url ends in /v1).",
+        choices=("sglang", "vllm", "openai"),
+        advanced=True,
+    )
+    teacher_model: str = _f(
+        "", "The model name teacher_api openai sends (its 'model' field).", advanced=True
+    )
+    teacher_tokenizer: str = _f(
+        "",
+        "Where the teacher's tokenizer is (a local directory), to check it is the student's; empty = the model path the teacher's server reports.",
+        advanced=True,
+    )
+    distill_weight: float = _f(
+        1.0, "Weight of the teacher's per-token signal in the advantage.", min=0.0, advanced=True
+    )
+    reward_weight: float = _f(
+        1.0,
+        "Weight of the reward's advantage beside a teacher's signal (0 = distillation alone; without a teacher it is not used).",
+        min=0.0,
+        advanced=True,
+    )
     # Sessions (online mode)
     train_incomplete_sessions: bool = _f(
         False, "Train expired sessions that have at least one reward."
@@ -420,6 +448,18 @@ class RunConfig:
                 "lora_target_modules",
                 f'"{LORA_ALL_LINEAR}" means every linear layer; list module names or use it alone.',
             )
+        if self.teacher_url and not self.teacher_url.startswith(("http://", "https://")):
+            bad("teacher_url", "teacher_url is the teacher server's http:// or https:// URL.")
+        if self.teacher_url and self.teacher_api == "openai" and not self.teacher_model:
+            bad(
+                "teacher_model",
+                "teacher_api openai needs the model name to send: set teacher_model.",
+            )
+        if self.teacher_url and not (self.distill_weight or self.reward_weight):
+            bad(
+                "distill_weight",
+                "distill_weight and reward_weight are both 0: nothing would train.",
+            )
         if errors:
             raise ConfigError(errors)
 
@@ -522,57 +562,3 @@ def _check_bounds(name: str, value: float, meta: Any) -> None:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(RunConfig)}
-
-
-def settings_markdown() -> str:
-    """The reference of every run setting (docs/run-settings.md is this, kept in step by a test)."""
-    lines = [
-        "# Run settings",
-        "",
-        "Every setting of a training run: a top-level field of `POST /api/v1/runs/`, a field of",
-        "the dashboard's run form (the advanced ones folded under *Advanced*), and of",
-        "`rl_core.config.RunConfig`, which validates them for both. Generated from `RunConfig`",
-        "by `python -m rl_core.config`; do not edit by hand.",
-        "",
-        "| setting | type | default | allowed | meaning |",
-        "|---|---|---|---|---|",
-    ]
-    for f in dataclasses.fields(RunConfig):
-        meta = f.metadata
-        kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-        shown = "required" if meta.get("required") else f"`{_json(_default(f))}`"
-        lines.append(
-            f"| `{f.name}` | {_JSON_TYPES[kind.replace(' | None', '')]}{' or null' if 'None' in kind else ''} | {shown} | {_allowed(meta)} |"
-            f" {meta['help']}{' (advanced)' if meta.get('advanced') else ''} |"
-        )
-    return "\n".join(lines) + "\n" + REWARD_TYPES_DOC
-
-
-_JSON_TYPES = {
-    "str": "string",
-    "int": "integer",
-    "float": "number",
-    "bool": "boolean",
-    "dict": "object",
-    "list": "array of strings",
-}
-
-
-def _json(value: Any) -> str:
-    return json.dumps(value)
-
-
-def _allowed(meta: Mapping[str, Any]) -> str:
-    if meta.get("choices"):
-        return ", ".join(f"`{c}`" for c in meta["choices"])
-    low, high = meta.get("min"), meta.get("max")
-    parts = []
-    if low is not None:
-        parts.append(f"{'>' if meta.get('min_exclusive') else '≥'} {low}")
-    if high is not None:
-        parts.append(f"{'<' if meta.get('max_exclusive') else '≤'} {high}")
-    return ", ".join(parts)
-
-
-if __name__ == "__main__":
-    print(settings_markdown(), end="")

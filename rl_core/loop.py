@@ -44,6 +44,7 @@ from typing import Any, Protocol, runtime_checkable
 from rl_core.adapter_sync import AdapterSync
 from rl_core.checkpoints import CheckpointInfo, latest_checkpoint, write_checkpoint
 from rl_core.config import RunConfig
+from rl_core.distill import TeacherScorer
 from rl_core.staleness import StalenessController, mask_stale
 from rl_core.types import Trajectory
 from rl_core.weight_sync import WeightSync  # re-exported: it lived here
@@ -238,6 +239,7 @@ class TrainingLoop:
         checkpoint_dir: str | Path | None = None,
         *,
         keep_checkpoints: int | None = None,
+        teacher: TeacherScorer | None = None,
     ):
         self.cfg = cfg
         self.trainer = trainer
@@ -249,6 +251,7 @@ class TrainingLoop:
         self.controller = controller
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.keep_checkpoints = keep_checkpoints
+        self.teacher = teacher  # on-policy distillation: scores each batch before its step
         self.step = 0
         self.last_checkpoint: str | None = None
         self._checkpoint_step: int | None = None
@@ -437,6 +440,10 @@ class TrainingLoop:
             return None
 
         trajectories = [t for _, t in kept]
+        distill: dict[str, float] = {}
+        if self.teacher is not None:
+            with phases.phase("teacher"):
+                distill = await self.teacher.score(trajectories)
         sync_timing: dict[str, float] = {}
         async with self.weights_lock:  # a restarted server's catch-up waits for this version
             with phases.phase("train_step"):
@@ -460,6 +467,7 @@ class TrainingLoop:
             **{k: float(v) for k, v in stats.items()},
             **rollout_stats(trajectories),
             **sync_timing,
+            **distill,
             **phases.times,
             "staleness/dropped": float(len(dropped_keys)),
             "staleness/masked_tokens": float(masked_tokens),

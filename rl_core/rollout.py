@@ -30,6 +30,7 @@ from typing import Any
 from rl_core.chat import ChatTokenizer, load_chat_tokenizer
 from rl_core.checkpoints import latest_checkpoint
 from rl_core.config import RunConfig
+from rl_core.distill import TeacherScorer
 from rl_core.inference.adapters import AdapterSwitch, current_adapter
 from rl_core.inference.client import GenerateResult, InferenceClient
 from rl_core.inference.vllm import client_for
@@ -502,6 +503,7 @@ class LocalRun:
         reward_fn: RewardFn | None = None,
         source: QueueSource | None = None,
         sampling_overrides: SamplingOverrides | None = None,
+        teacher: TeacherScorer | None = None,
     ):
         self.cfg = cfg
         resumed = latest_checkpoint(checkpoint_dir)
@@ -522,6 +524,7 @@ class LocalRun:
             reporter,
             self.controller,
             checkpoint_dir,
+            teacher=teacher,
         )
         self.driver = RolloutDriver(
             cfg,

@@ -34,6 +34,7 @@ from rl_core.advantages import token_advantages
 from rl_core.attention import packed_attention_implementation
 from rl_core.config import RunConfig
 from rl_core.correction import MismatchMeter, correct, keeps_denominator
+from rl_core.distill import distill_advantages
 from rl_core.distributed import rank_micro_batches, tree_rank_micro_batches
 from rl_core.failpoints import failpoint
 from rl_core.hf import config_dtype
@@ -195,6 +196,10 @@ class PPOTrainer(TrainerSaving):
             advantages, adv_stats = token_advantages(
                 batch, cfg.resolved_advantage, cfg.turn_discount
             )
+            if any(t.teacher_logprobs is not None for t in batch):  # on-policy distillation
+                advantages = distill_advantages(
+                    batch, advantages, cfg.reward_weight, cfg.distill_weight
+                )
         stats.update(adv_stats)
 
         with timer.phase("pack"):

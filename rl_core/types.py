@@ -35,11 +35,17 @@ class Trajectory:
     # The temperature each token's behaviour logprob was taken at (rl_core.sampling); the
     # trainer recomputes at the same one. None: 1.0 everywhere. Prompt tokens: 1.0 (untrained).
     temperatures: list[float] | None = None
+    # A teacher's logprob of each token in its context (on-policy distillation, rl_core.distill):
+    # set by the loop before the step when the run has a teacher; 0.0 for the first token.
+    teacher_logprobs: list[float] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.input_ids)
         per_token = ("loss_mask", "logprobs", "versions")
-        for name in per_token + (("temperatures",) if self.temperatures is not None else ()):
+        optional = tuple(
+            k for k in ("temperatures", "teacher_logprobs") if getattr(self, k) is not None
+        )
+        for name in per_token + optional:
             if len(getattr(self, name)) != n:
                 raise ValueError(
                     f"Trajectory.{name} has {len(getattr(self, name))} entries but input_ids has {n}; "

@@ -33,6 +33,7 @@ from typing import Any
 import ray
 
 from rl_core.config import RunConfig
+from rl_core.distill import TeacherError
 from rl_core.failpoints import ENV as FAILPOINTS
 from rl_core.sources import SourceRules, config_source_errors, errors_text
 from workers.capacity import CapacityError, check_capacity, placement_timeout_s, resolve_backend
@@ -115,6 +116,7 @@ async def watch_servers(
 async def run_job(run_id: str, web_url: str, secret: str) -> str:
     from rl_core.adapter_sync import AdapterSync
     from rl_core.chat import load_chat_tokenizer
+    from rl_core.distill import connect_teacher
     from rl_core.evals import split_rows
     from rl_core.inference.adapters import AdapterSwitch, move_lag
     from rl_core.loop import TrainingLoop, WeightSync
@@ -126,6 +128,7 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
 
     api = InternalAPI(web_url, run_id, secret)
     trainer = None
+    teacher = None
     weight_sync: Any = None
     replicas: list = []
     keeper: asyncio.Task | None = None  # watch_servers: restarts a server that exited
@@ -145,6 +148,7 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
         await api.report_cluster(resources)
         backend = resolve_backend(config.inference_backend, resources)
         needs = check_capacity(config, backend, resources)  # refuse what can never be placed
+        teacher = await connect_teacher(config)  # a teacher with another tokenizer is refused
         env = {"STEEP_TORCH_THREADS": os.environ.get("STEEP_TORCH_THREADS", "1")}
         if os.environ.get(FAILPOINTS):  # chaos tests: the trainer kills itself where told
             env[FAILPOINTS] = os.environ[FAILPOINTS]
@@ -235,6 +239,7 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
             reporter,
             controller,
             checkpoint_dir=data_dir / "checkpoints",
+            teacher=teacher,
         )
         await loop.prepare()  # resume from the last checkpoint and push its weights before serving
         # Before anything is served: the run goes back to the restored step and version (0 without
@@ -326,7 +331,9 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
             raise
         logger.exception("run %s failed", run_id)
         error = f"{type(exc).__name__}: {exc}"
-        if not isinstance(exc, CapacityError | SourcesRefused):  # these say all there is to say
+        if not isinstance(
+            exc, CapacityError | SourcesRefused | TeacherError
+        ):  # these say all there is to say
             error += f"\n\n{traceback.format_exc()[-4000:]}"
         try:
             await api.release()
@@ -337,6 +344,8 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
     finally:
         if keeper is not None:  # before the servers stop: a stopped one is not to be restarted
             keeper.cancel()
+        if teacher is not None:
+            await teacher.aclose()
         if weight_sync is not None:  # leave the broadcast group on both sides, close clients
             try:
                 if isinstance(weight_sync, WeightSync):

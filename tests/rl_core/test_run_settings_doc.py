@@ -5,14 +5,15 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from rl_core.config import RunConfig, settings_markdown
+from rl_core.config import RunConfig
+from rl_core.settings_doc import settings_markdown
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "run-settings.md"
 
 
 def test_the_doc_is_what_runconfig_generates():
     assert DOC.read_text() == settings_markdown(), (
-        "docs/run-settings.md is out of date: run `python -m rl_core.config > docs/run-settings.md`"
+        "docs/run-settings.md is out of date: run `python -m rl_core.settings_doc > docs/run-settings.md`"
     )
 
 

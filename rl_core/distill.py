@@ -1,0 +1,323 @@
+"""On-policy distillation (issue 38): a teacher's per-token judgement of the student's own samples.
+
+The teacher scores the exact tokens the student was served: ``log p_teacher(x_t | x_<t)`` for
+every token of a trajectory, in one prefill (no generation). Each trained token's signal is
+the per-token reverse KL estimate's negative,
+
+    d_t = log p_teacher(x_t) - log p_student(x_t)
+
+with ``log p_student`` the behaviour logprob the engine recorded when it sampled ``x_t``
+(Agarwal et al. 2024, "On-Policy Distillation of Language Models: Learning from
+Self-Generated Mistakes"; Thinking Machines' "On-Policy Distillation", 2025, which trains on
+it as a per-token advantage with importance-sampled policy gradient, as Steep's PPO loss
+does). The advantage of token ``t`` is
+
+    A_t = reward_weight * A_reward_t + distill_weight * d_t
+
+so ``reward_weight = 0`` distils alone and both > 0 mix the teacher with the run's reward.
+Where the teacher is more sure of a token than the student, ``d_t > 0`` pushes it up; where
+the student sampled what the teacher would not have, ``d_t < 0`` pushes it down. The mean of
+``-d_t`` over trained tokens is the reverse KL estimate ``distill/reverse_kl`` each step reports.
+
+Teachers (run settings ``teacher_url``, ``teacher_api``):
+
+- ``sglang``: SGLang's ``/generate`` (``max_new_tokens`` 0, ``return_logprob``,
+  ``logprob_start_len`` 0: the prompt's ``input_token_logprobs``); SGLang and Steep's torch
+  engine serve it, so a model Steep serves can teach.
+- ``vllm``: vLLM's token-in ``/inference/v1/generate`` with ``prompt_logprobs`` 0.
+- ``openai``: any OpenAI-compatible ``/v1/completions`` that echoes a token-id prompt with its
+  logprobs (``echo``, ``logprobs`` 0; vLLM's and SGLang's OpenAI servers do).
+
+The teacher must share the student's tokenizer: it scores the student's token ids.
+``check_tokenizer`` refuses a run whose teacher's tokenizer differs, naming both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import httpx
+import torch
+
+from rl_core.types import Trajectory
+
+logger = logging.getLogger(__name__)
+
+TEACHER_APIS = ("sglang", "vllm", "openai")
+# Tokenizer probes: what two tokenizers must encode alike (and the vocabulary's size).
+_PROBES = ("Hello, world! 123", " The quick brown fox\njumps over the lazy dog.", "ça va? 日本語")
+
+
+class TeacherError(RuntimeError):
+    """The teacher could not score a trajectory (after retries), or is not usable."""
+
+
+class Teacher(Protocol):
+    name: str
+
+    async def logprobs(self, input_ids: Sequence[int]) -> list[float]:
+        """``log p(input_ids[t] | input_ids[:t])`` for every ``t``; 0.0 at ``t = 0``."""
+        ...
+
+    async def tokenizer_path(self) -> str | None: ...
+
+    async def aclose(self) -> None: ...
+
+
+class _HTTPTeacher:
+    def __init__(self, url: str, *, model: str = "", timeout_s: float = 120.0, api_key: str = ""):
+        self.url = url.rstrip("/")
+        self.model = model
+        self.name = f"{self.url} ({self.api})"
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.AsyncClient(timeout=timeout_s, headers=headers)
+
+    api = ""
+
+    async def _post(self, path: str, body: dict[str, Any]) -> Any:
+        response = await self._http.post(f"{self.url}{path}", json=body)
+        if response.status_code >= 400:
+            raise TeacherError(
+                f"{self.name} answered {response.status_code}: {response.text[:300]}"
+            )
+        return response.json()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def tokenizer_path(self) -> str | None:
+        """Where the served model's tokenizer is, as the server says (None: it does not)."""
+        response = await self._http.get(f"{self.url}{self._models_path}")
+        if response.status_code >= 400:
+            return None
+        data = response.json()
+        if "data" in data:  # OpenAI's model list: vLLM and SGLang put the path in "root"
+            rows = data["data"] or [{}]
+            return rows[0].get("root") or None
+        return data.get("tokenizer_path") or data.get("model_path") or None
+
+    _models_path = "/v1/models"
+
+
+class SGLangTeacher(_HTTPTeacher):
+    api = "sglang"
+    _models_path = "/get_model_info"
+
+    async def logprobs(self, input_ids: Sequence[int]) -> list[float]:
+        body = {
+            "input_ids": list(input_ids),
+            "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
+            "return_logprob": True,
+            "logprob_start_len": 0,
+        }
+        data = await self._post("/generate", body)
+        entries = data["meta_info"]["input_token_logprobs"]  # [[logprob | None, id, text?], ...]
+        return _aligned(input_ids, [(e[0], e[1]) for e in entries], self.name)
+
+
+class VLLMTeacher(_HTTPTeacher):
+    api = "vllm"
+
+    async def logprobs(self, input_ids: Sequence[int]) -> list[float]:
+        body = {
+            "token_ids": list(input_ids),
+            "sampling_params": {"max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0},
+        }
+        data = await self._post("/inference/v1/generate", body)
+        rows = data.get("prompt_logprobs") or []
+        pairs = []
+        for token, row in zip(input_ids, rows, strict=False):
+            entry = None if row is None else row.get(str(token), row.get(token))  # type: ignore[call-overload]
+            value = (
+                None if entry is None else entry["logprob"] if isinstance(entry, dict) else entry
+            )
+            pairs.append((value, token))
+        return _aligned(input_ids, pairs, self.name)
+
+
+class OpenAITeacher(_HTTPTeacher):
+    api = "openai"
+    _models_path = "/models"
+
+    async def logprobs(self, input_ids: Sequence[int]) -> list[float]:
+        body = {
+            "model": self.model,
+            "prompt": list(input_ids),
+            "max_tokens": 1,
+            "echo": True,
+            "logprobs": 0,
+            "temperature": 1.0,
+        }
+        data = await self._post("/completions", body)
+        values = data["choices"][0]["logprobs"]["token_logprobs"][: len(input_ids)]
+        return _aligned(input_ids, list(zip(values, input_ids, strict=False)), self.name)
+
+
+def _aligned(
+    input_ids: Sequence[int], pairs: list[tuple[float | None, int]], name: str
+) -> list[float]:
+    """The teacher's logprobs, one per input token (0.0 for the first), checked to be of
+    the very tokens sent."""
+    if len(pairs) != len(input_ids):
+        raise TeacherError(
+            f"{name} scored {len(pairs)} of the {len(input_ids)} tokens sent; it must return "
+            "a logprob for every prompt token"
+        )
+    out = []
+    for t, ((value, token), sent) in enumerate(zip(pairs, input_ids, strict=True)):
+        if int(token) != int(sent):
+            raise TeacherError(f"{name} scored token {token} at position {t}, not {sent}")
+        if t and value is None:
+            raise TeacherError(f"{name} gave no logprob for token {t}")
+        out.append(0.0 if t == 0 else float(value))  # type: ignore[arg-type]
+    return out
+
+
+def make_teacher(url: str, api: str = "sglang", *, model: str = "", api_key: str = "") -> Teacher:
+    if api not in TEACHER_APIS:
+        raise ValueError(f"teacher_api {api!r}: use one of {', '.join(TEACHER_APIS)}")
+    if api == "vllm":
+        return VLLMTeacher(url, model=model, api_key=api_key)
+    if api == "openai":
+        return OpenAITeacher(url, model=model, api_key=api_key)
+    return SGLangTeacher(url, model=model, api_key=api_key)
+
+
+async def connect_teacher(cfg: Any) -> TeacherScorer | None:
+    """The run's teacher (``RunConfig.teacher_url``), its tokenizer checked; None without one."""
+    if not cfg.teacher_url:
+        return None
+    teacher = make_teacher(cfg.teacher_url, cfg.teacher_api, model=cfg.teacher_model)
+    try:
+        await verify_teacher(teacher, cfg.base_model, cfg.teacher_tokenizer)
+    except BaseException:
+        await teacher.aclose()
+        raise
+    return TeacherScorer(teacher)
+
+
+@dataclass
+class TeacherScorer:
+    """Scores a batch's trajectories with ``teacher`` (``concurrency`` calls at a time, each
+    retried ``retries`` times with backoff) and keeps count for the step's metrics."""
+
+    teacher: Teacher
+    concurrency: int = 8
+    retries: int = 3
+    backoff_s: float = 0.5
+
+    async def aclose(self) -> None:
+        await self.teacher.aclose()
+
+    async def score(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
+        """Sets each trajectory's ``teacher_logprobs``; the step's ``distill/`` metrics."""
+        gate = asyncio.Semaphore(self.concurrency)
+        calls, retried, seconds = [0], [0], [0.0]
+
+        async def one(traj: Trajectory) -> None:
+            async with gate:
+                for attempt in range(self.retries + 1):
+                    started = time.perf_counter()
+                    try:
+                        calls[0] += 1
+                        traj.teacher_logprobs = await self.teacher.logprobs(traj.input_ids)
+                        seconds[0] += time.perf_counter() - started
+                        return
+                    except (httpx.HTTPError, TeacherError, KeyError, TypeError) as exc:
+                        seconds[0] += time.perf_counter() - started
+                        if attempt == self.retries:
+                            raise TeacherError(
+                                f"the teacher {self.teacher.name} could not score a trajectory "
+                                f"after {self.retries + 1} tries: {exc}"
+                            ) from exc
+                        retried[0] += 1
+                        logger.warning("teacher call failed (%s); retrying", exc)
+                        await asyncio.sleep(self.backoff_s * 2**attempt)
+
+        await asyncio.gather(*(one(t) for t in trajectories))
+        gaps = reverse_kl_terms(trajectories)
+        return {
+            "distill/teacher_calls": float(calls[0]),
+            "distill/teacher_retries": float(retried[0]),
+            "distill/teacher_tokens": float(sum(len(t.input_ids) for t in trajectories)),
+            "distill/teacher_latency_s": seconds[0] / max(calls[0], 1),
+            "distill/reverse_kl": float(-gaps.mean()) if gaps.numel() else 0.0,
+        }
+
+
+def reverse_kl_terms(trajectories: Sequence[Trajectory]) -> torch.Tensor:
+    """``log p_teacher - log p_student`` over every trained token of the batch (flat)."""
+    parts = []
+    for traj in trajectories:
+        if traj.teacher_logprobs is None:
+            continue
+        mask = torch.tensor(traj.loss_mask, dtype=torch.bool)
+        diff = torch.tensor(traj.teacher_logprobs) - torch.tensor(traj.logprobs)  # [L]
+        parts.append(diff[mask])
+    return torch.cat(parts) if parts else torch.zeros(0)
+
+
+def distill_advantages(
+    trajectories: Sequence[Trajectory],
+    reward_advantages: Sequence[torch.Tensor],
+    reward_weight: float,
+    distill_weight: float,
+) -> list[torch.Tensor]:
+    """``A_t = reward_weight * A_reward_t + distill_weight * (log p_teacher - log p_student)``
+    on trained tokens (0 elsewhere); a trajectory the teacher did not score keeps its reward
+    advantage scaled by ``reward_weight``."""
+    out = []
+    for traj, adv in zip(trajectories, reward_advantages, strict=True):
+        total = adv * reward_weight  # [L]
+        if traj.teacher_logprobs is not None:
+            mask = torch.tensor(traj.loss_mask, dtype=torch.float32)  # [L]
+            diff = torch.tensor(traj.teacher_logprobs) - torch.tensor(traj.logprobs)  # [L]
+            total = total + distill_weight * diff * mask
+        out.append(total)
+    return out
+
+
+async def verify_teacher(teacher: Teacher, student_dir: str, teacher_tokenizer: str = "") -> str:
+    """Refuse a teacher that does not share the student's tokenizer; the tokenizer compared.
+
+    ``teacher_tokenizer`` (the run setting) names the teacher's tokenizer; without it, the
+    path the teacher's server reports for its model is used."""
+    source = teacher_tokenizer or await teacher.tokenizer_path()
+    if not source:
+        raise TeacherError(
+            f"cannot tell which tokenizer the teacher {teacher.name} uses (it does not report "
+            "its model's path): set teacher_tokenizer to a copy of it"
+        )
+    try:
+        check_tokenizer(student_dir, source)
+    except (OSError, ValueError) as exc:
+        raise TeacherError(
+            f"cannot read the teacher's tokenizer at {source}: {exc}; set teacher_tokenizer "
+            "to a local copy of it"
+        ) from exc
+    return source
+
+
+def check_tokenizer(student_dir: str, teacher_tokenizer: str) -> None:
+    """Refuse a teacher whose tokenizer is not the student's (``teacher_tokenizer``: a local
+    tokenizer directory or Hugging Face id). The same vocabulary, and the same ids for probe
+    texts, or ``TeacherError`` naming both."""
+    from transformers import AutoTokenizer
+
+    student = AutoTokenizer.from_pretrained(student_dir)
+    teacher = AutoTokenizer.from_pretrained(teacher_tokenizer)
+    same = len(student) == len(teacher) and all(
+        student.encode(p, add_special_tokens=False) == teacher.encode(p, add_special_tokens=False)
+        for p in _PROBES
+    )
+    if not same or student.get_vocab() != teacher.get_vocab():
+        raise TeacherError(
+            f"the teacher's tokenizer ({teacher_tokenizer}, {len(teacher):,} tokens) is not the "
+            f"student's ({student_dir}, {len(student):,} tokens): on-policy distillation scores "
+            "the student's own token ids, so teacher and student must share one tokenizer"
+        )

@@ -1,0 +1,42 @@
+"""A teacher that is good at the toy task, for distillation tests and ``bench/distill.py``.
+
+The tiny model trained on the toy task by RL (``TOY_SETTINGS``, ``steps`` steps: its reward
+reaches ~0.75, "vvvvvvvv") and saved with the student's tokenizer: a stronger model of the same
+tokenizer, as a distillation run would learn from. Needs a torch engine serving the untrained
+model at version 0 (the run updates its weights).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+TEACHER_STEPS = 12
+
+
+async def rl_teacher(
+    model_dir: str | Path, engine_url: str, out: Path, steps: int = TEACHER_STEPS
+) -> tuple[Path, list[float]]:
+    """The model of ``model_dir`` after ``steps`` RL steps on the toy task, saved to ``out``;
+    and that run's reward per step."""
+    from rl_core.config import RunConfig
+    from rl_core.loop import ListReporter
+    from rl_core.rollout import LocalRun
+    from rl_core.toy import TOY_SETTINGS, toy_rows
+    from rl_core.trainer import PPOTrainer
+
+    cfg = RunConfig.from_dict({"base_model": str(model_dir), **TOY_SETTINGS, "max_steps": steps})
+    trainer = PPOTrainer(cfg, model_path=model_dir, device="cpu")
+    reporter = ListReporter()
+    await LocalRun(
+        cfg,
+        trainer=trainer,
+        urls=[engine_url],
+        rows=toy_rows(64, seed=0),
+        weights_dir=out.parent / f"{out.name}-sync",
+        reporter=reporter,
+    ).run()
+    saved = Path(trainer.save_weights(str(out)))
+    for f in Path(model_dir).iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            (saved / f.name).write_bytes(f.read_bytes())
+    return saved, reporter.series("rollout/reward")
