@@ -128,6 +128,26 @@ async def test_greedy_answers_are_the_references_greedy_tokens(client, vllm_mode
     assert result.output_ids == Reference().greedy(vllm_models[0], PROMPT, 10)
 
 
+async def test_vllm_teaches_as_a_distillation_teacher_by_both_of_its_apis(server, vllm_models):
+    """On-policy distillation's teacher (rl_core.distill) on a running vLLM: every token's logprob
+    in its context, by the token-in generate route and by the OpenAI-compatible /v1/completions
+    (echo), equal to a full forward's; the reported model's tokenizer is the student's."""
+    from rl_core.distill import OpenAITeacher, VLLMTeacher, verify_teacher
+    from tests.rl_core.conftest import Reference
+
+    ids = PROMPT + [119, 111, 114, 108, 100, 33, 10, 72]
+    want = Reference().logprobs(vllm_models[0], ids[:1], ids[1:])  # [len(ids) - 1]
+    openai = OpenAITeacher(f"{server.url}/v1", model=str(vllm_models[0]))
+    for teacher in (VLLMTeacher(server.url), openai):
+        try:
+            got = await teacher.logprobs(ids)
+            assert len(got) == len(ids) and got[0] == 0.0
+            torch.testing.assert_close(torch.tensor(got[1:]), want, atol=TOLERANCE, rtol=0)
+            assert await verify_teacher(teacher, str(vllm_models[0])) == str(vllm_models[0])
+        finally:
+            await teacher.aclose()
+
+
 async def test_a_stream_is_the_answer_in_pieces_with_its_top_logprobs(client):
     params = {"max_new_tokens": 10, "temperature": 1.0, "sampling_seed": 11}
     whole = await client.generate(PROMPT, params, top_logprobs_num=2)

@@ -32,6 +32,8 @@ def test_metrics_are_grouped_by_prefix_with_reward_and_eval_leading():
             "loss/total",
             "rollout/seq_len",
             "correction/kl_k3",
+            "distill/reverse_kl",
+            "timing/teacher",
             "mystery/thing",
         ]
     )
@@ -40,6 +42,7 @@ def test_metrics_are_grouped_by_prefix_with_reward_and_eval_leading():
         ("Reward", ["rollout/seq_len"]),
         ("Policy / PPO", ["loss/total", "ppo/loss"]),
         ("Rollout correction", ["correction/kl_k3"]),
+        ("Distillation", ["distill/reverse_kl", "timing/teacher"]),
         ("Staleness", ["staleness/max"]),
         ("Weight sync", ["timing/inference_stall", "weight_sync/bytes"]),
         ("Throughput / System", ["perf/tokens_per_s", "timing/step"]),

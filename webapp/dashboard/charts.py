@@ -17,6 +17,8 @@ PANELS: list[tuple[str, str, tuple[str, ...]]] = [
     ("policy", "Policy / PPO", ("ppo/", "loss/")),
     # The engines' logprobs against the trainer's recomputation (rl_core.correction).
     ("correction", "Rollout correction", ("correction/",)),
+    # On-policy distillation's teacher (rl_core.distill): its calls, latency, reverse KL.
+    ("distill", "Distillation", ("distill/", "timing/teacher")),
     ("staleness", "Staleness", ("staleness/",)),
     # Before "system", which takes every other timing/: what each weight update moved and
     # how long it held inference up (rl_core.weight_sync, rl_core.adapter_sync).
