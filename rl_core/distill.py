@@ -70,17 +70,25 @@ class Teacher(Protocol):
 
 
 class _HTTPTeacher:
-    def __init__(self, url: str, *, model: str = "", timeout_s: float = 120.0, api_key: str = ""):
+    def __init__(
+        self,
+        url: str,
+        *,
+        model: str = "",
+        timeout_s: float = 120.0,
+        http: httpx.AsyncClient | None = None,
+    ):
         self.url = url.rstrip("/")
         self.model = model
         self.name = f"{self.url} ({self.api})"
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._http = httpx.AsyncClient(timeout=timeout_s, headers=headers)
+        # A run's job passes a client that screens every request by the instance's rules.
+        self._http = http or httpx.AsyncClient()
+        self._timeout = timeout_s
 
     api = ""
 
     async def _post(self, path: str, body: dict[str, Any]) -> Any:
-        response = await self._http.post(f"{self.url}{path}", json=body)
+        response = await self._http.post(f"{self.url}{path}", json=body, timeout=self._timeout)
         if response.status_code >= 400:
             raise TeacherError(
                 f"{self.name} answered {response.status_code}: {response.text[:300]}"
@@ -178,23 +186,31 @@ def _aligned(
     return out
 
 
-def make_teacher(url: str, api: str = "sglang", *, model: str = "", api_key: str = "") -> Teacher:
+def make_teacher(
+    url: str, api: str = "sglang", *, model: str = "", http: httpx.AsyncClient | None = None
+) -> Teacher:
     if api not in TEACHER_APIS:
         raise ValueError(f"teacher_api {api!r}: use one of {', '.join(TEACHER_APIS)}")
     if api == "vllm":
-        return VLLMTeacher(url, model=model, api_key=api_key)
+        return VLLMTeacher(url, model=model, http=http)
     if api == "openai":
-        return OpenAITeacher(url, model=model, api_key=api_key)
-    return SGLangTeacher(url, model=model, api_key=api_key)
+        return OpenAITeacher(url, model=model, http=http)
+    return SGLangTeacher(url, model=model, http=http)
 
 
-async def connect_teacher(cfg: Any) -> TeacherScorer | None:
-    """The run's teacher (``RunConfig.teacher_url``), its tokenizer checked; None without one."""
+async def connect_teacher(cfg: Any, rules: Any = None) -> TeacherScorer | None:
+    """The run's teacher (``RunConfig.teacher_url``), its tokenizer checked; None without one.
+
+    ``rules`` (``rl_core.sources.SourceRules``): every request to the teacher is screened by
+    them, and the tokenizer read must be a model directory they allow."""
     if not cfg.teacher_url:
         return None
-    teacher = make_teacher(cfg.teacher_url, cfg.teacher_api, model=cfg.teacher_model)
+    from rl_core.sources import screened_async_client
+
+    http = screened_async_client(rules, setting="teacher_url") if rules is not None else None
+    teacher = make_teacher(cfg.teacher_url, cfg.teacher_api, model=cfg.teacher_model, http=http)
     try:
-        await verify_teacher(teacher, cfg.base_model, cfg.teacher_tokenizer)
+        await verify_teacher(teacher, cfg.base_model, cfg.teacher_tokenizer, rules)
     except BaseException:
         await teacher.aclose()
         raise
@@ -282,17 +298,27 @@ def distill_advantages(
     return out
 
 
-async def verify_teacher(teacher: Teacher, student_dir: str, teacher_tokenizer: str = "") -> str:
+async def verify_teacher(
+    teacher: Teacher, student_dir: str, teacher_tokenizer: str = "", rules: Any = None
+) -> str:
     """Refuse a teacher that does not share the student's tokenizer; the tokenizer compared.
 
     ``teacher_tokenizer`` (the run setting) names the teacher's tokenizer; without it, the
-    path the teacher's server reports for its model is used."""
+    path the teacher's server reports for its model is used. With ``rules``, only a model
+    directory they allow is read (a server cannot make the job read any path it names)."""
     source = teacher_tokenizer or await teacher.tokenizer_path()
     if not source:
         raise TeacherError(
             f"cannot tell which tokenizer the teacher {teacher.name} uses (it does not report "
             "its model's path): set teacher_tokenizer to a copy of it"
         )
+    if rules is not None:
+        from rl_core.sources import SourceRefused, tokenizer_source
+
+        try:
+            source = tokenizer_source(source, rules)
+        except SourceRefused as exc:
+            raise TeacherError(f"{exc}; set teacher_tokenizer to one that is") from None
     try:
         check_tokenizer(student_dir, source)
     except (OSError, ValueError) as exc:

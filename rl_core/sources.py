@@ -277,6 +277,22 @@ def screened_client(
     return httpx.Client(transport=Screen(), follow_redirects=False, **client_kwargs)
 
 
+def screened_async_client(
+    rules: SourceRules, *, setting: str, resolve: Resolver | None = None, **client_kwargs: Any
+):
+    """``screened_client`` for asyncio: an ``httpx.AsyncClient`` that checks every request."""
+    import httpx
+
+    class Screen(httpx.AsyncHTTPTransport):
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            errors = host_errors(request.url.host, rules, setting=setting, resolve=resolve)
+            if errors:
+                raise httpx.ConnectError(errors[0], request=request)
+            return await super().handle_async_request(request)
+
+    return httpx.AsyncClient(transport=Screen(), follow_redirects=False, **client_kwargs)
+
+
 # -- a whole config -----------------------------------------------------------------------
 
 
@@ -285,6 +301,21 @@ def outbound_urls(config: Any) -> Iterable[tuple[str, Any]]:
     reward = getattr(config, "reward", None)
     if isinstance(reward, dict) and reward.get("type") == "judge" and "base_url" in reward:
         yield "reward.base_url", reward["base_url"]
+    if getattr(config, "teacher_url", ""):  # on-policy distillation's teacher (rl_core.distill)
+        yield "teacher_url", config.teacher_url
+
+
+def tokenizer_source(path: str, rules: SourceRules, setting: str = "teacher_tokenizer") -> str:
+    """A tokenizer directory the job may read (a model's, as ``model_source`` allows them), or
+    ``SourceRefused`` naming ``setting``."""
+    try:
+        return model_source(path, rules)
+    except SourceRefused:
+        raise SourceRefused(
+            setting,
+            f"{setting} {path!r} is not a model directory this instance offers: "
+            f"{models_offered_text(rules)}",
+        ) from None
 
 
 def config_source_errors(
@@ -298,6 +329,11 @@ def config_source_errors(
         errors.setdefault(exc.setting, []).append(str(exc))
     if messages := reward_source_errors(config.reward, rules):
         errors.setdefault("reward", []).extend(messages)
+    if getattr(config, "teacher_tokenizer", ""):
+        try:
+            tokenizer_source(config.teacher_tokenizer, rules)
+        except SourceRefused as exc:
+            errors.setdefault(exc.setting, []).append(str(exc))
     for setting, url in outbound_urls(config):
         if messages := url_errors(url, rules, setting=setting, resolve=resolve):
             errors.setdefault(setting.split(".")[0], []).extend(messages)

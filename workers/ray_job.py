@@ -148,7 +148,7 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
         await api.report_cluster(resources)
         backend = resolve_backend(config.inference_backend, resources)
         needs = check_capacity(config, backend, resources)  # refuse what can never be placed
-        teacher = await connect_teacher(config)  # a teacher with another tokenizer is refused
+        teacher = await connect_teacher(config, rules)  # another tokenizer is refused
         env = {"STEEP_TORCH_THREADS": os.environ.get("STEEP_TORCH_THREADS", "1")}
         if os.environ.get(FAILPOINTS):  # chaos tests: the trainer kills itself where told
             env[FAILPOINTS] = os.environ[FAILPOINTS]

@@ -144,3 +144,43 @@ async def test_the_scorer_retries_counts_and_reports_the_reverse_kl():
     assert stats["distill/reverse_kl"] == pytest.approx((0.5 - 0.5 - 2.0) / 3)
     with pytest.raises(TeacherError, match="after 2 tries"):
         await TeacherScorer(_FlakyTeacher(failures=5), retries=1, backoff_s=0.0).score(trajs)
+
+
+def test_a_teacher_url_and_tokenizer_obey_the_instances_rules(tiny_model_dir, tmp_path):
+    """The teacher is an outbound URL as a judge's is (a loopback one is refused unless the
+    operator allowed it), and its tokenizer a directory the job reads, as a model is."""
+    from rl_core.sources import SourceRules, config_source_errors
+
+    cfg = RunConfig.from_dict(
+        {
+            "base_model": str(tiny_model_dir),
+            "mode": "online",
+            "teacher_url": "http://127.0.0.1:30000",
+            "teacher_tokenizer": "/etc",
+        }
+    )
+    errors = config_source_errors(cfg, SourceRules(model_roots=(str(tiny_model_dir.parent),)))
+    assert "loopback" in " ".join(errors["teacher_url"])
+    assert "teacher_tokenizer '/etc' is not a model directory" in " ".join(
+        errors["teacher_tokenizer"]
+    )
+    allowed = SourceRules(
+        model_roots=(str(tiny_model_dir.parent),), outbound_allow=("127.0.0.0/8",)
+    )
+    cfg = RunConfig.from_dict({**cfg.to_dict(), "teacher_tokenizer": str(tiny_model_dir)})
+    assert config_source_errors(cfg, allowed) == {}
+
+
+async def test_a_teacher_server_cannot_make_the_job_read_a_path_the_rules_refuse(
+    torch_engine, tiny_model_dir
+):
+    """The engine reports its model's path; under rules that do not offer it, the job refuses
+    to read it and asks for teacher_tokenizer instead."""
+    from rl_core.sources import SourceRules
+
+    teacher = SGLangTeacher(torch_engine.url)
+    try:
+        with pytest.raises(TeacherError, match="set teacher_tokenizer"):
+            await verify_teacher(teacher, str(tiny_model_dir), rules=SourceRules())
+    finally:
+        await teacher.aclose()
