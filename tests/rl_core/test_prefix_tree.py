@@ -320,7 +320,7 @@ def test_a_trainer_step_with_trees_equals_the_flat_step(tiny_model_dir, settings
 WORLD_SIZE = 2
 
 
-def _worker(rank, model_path, store, out_dir):
+def _worker(rank, model_path, store, out_dir, settings):
     dist.init_process_group(
         "gloo",
         init_method=f"file://{store}",
@@ -330,7 +330,8 @@ def _worker(rank, model_path, store, out_dir):
     )
     try:
         torch.set_num_threads(1)
-        cfg = _trainer_cfg(model_path, prefix_tree=True, train_workers=WORLD_SIZE)
+        torch.manual_seed(0)  # the LoRA adapters' initialisation, as the one process's
+        cfg = _trainer_cfg(model_path, prefix_tree=True, train_workers=WORLD_SIZE, **settings)
         trainer = PPOTrainer(cfg, device="cpu")
         assert trainer.fsdp
         grads = []  # the sharded (DTensor) gradients gathered whole
@@ -348,14 +349,18 @@ def _worker(rank, model_path, store, out_dir):
 
 
 @pytest.mark.slow
-def test_two_fsdp_workers_with_trees_take_the_flat_one_process_step(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("settings", [{}, {"lora_rank": 8}], ids=["full", "lora"])
+def test_two_fsdp_workers_with_trees_take_the_flat_one_process_step(
+    tiny_model_dir, tmp_path, settings
+):
     mp.spawn(
         _worker,
-        args=(str(tiny_model_dir), str(tmp_path / "store"), str(tmp_path)),
+        args=(str(tiny_model_dir), str(tmp_path / "store"), str(tmp_path), settings),
         nprocs=WORLD_SIZE,
         join=True,
     )
-    trainer = PPOTrainer(_trainer_cfg(tiny_model_dir, prefix_tree=False), device="cpu")
+    torch.manual_seed(0)
+    trainer = PPOTrainer(_trainer_cfg(tiny_model_dir, prefix_tree=False, **settings), device="cpu")
     grads = _pre_step_grads(trainer)
     stats = trainer.train_step(_groups_batch())
     with open(tmp_path / "stats_0.json") as f:
