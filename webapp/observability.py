@@ -5,7 +5,8 @@ new one. It is echoed in the response's ``X-Request-ID``, kept in a context vari
 for the duration of the request (so every log record made while serving it, in the
 event loop or in the worker threads ORM calls run in, carries it as ``request_id``)
 and written in one ``steep.request`` log line per request. ``LOG_FORMAT=json`` turns
-each record into one JSON object per line.
+each record into one JSON object per line. ``LOG_CONSOLE=quiet`` (``./steep up``) keeps the
+console for people: warnings, errors and ``steep.status`` lines (``log_status``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from rl_core.ids import new_hex
 
 request_id_var: ContextVar[str] = ContextVar("request_id", default="-")
 request_logger = logging.getLogger("steep.request")
+# What a person at the terminal follows: runs and pools changing status (``log_status``).
+status_logger = logging.getLogger("steep.status")
 
 HEADER = "X-Request-ID"
 _SANE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:=+/@-]{0,127}")
@@ -43,6 +46,26 @@ class RequestIdFilter(logging.Filter):
         if not hasattr(record, "request_id"):
             record.request_id = request_id_var.get()
         return True
+
+
+class ConsoleFilter(logging.Filter):
+    """``LOG_CONSOLE=quiet``: the console keeps warnings, errors and ``steep.status`` lines; the
+    rest (a line per request, per Celery task, per demo episode) goes to ``LOG_FILE`` only."""
+
+    def __init__(self, quiet: bool = False) -> None:
+        super().__init__()
+        self.quiet = quiet
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return (
+            not self.quiet or record.levelno >= logging.WARNING or record.name == status_logger.name
+        )
+
+
+def log_status(kind: str, name: str, status: str, detail: str = "") -> None:
+    """A run or pool's new status as one ``steep.status`` line; a failure is a warning."""
+    level = logging.WARNING if status == "failed" else logging.INFO
+    status_logger.log(level, "%s '%s': %s%s", kind, name, status, f" ({detail})" if detail else "")
 
 
 # Attributes every LogRecord has; anything else was passed in ``extra=`` and is logged too.

@@ -80,18 +80,41 @@ def test_demo_env_holds_the_walkthroughs_variables_privately(data_dir, settings)
         assert stat.S_IMODE((data_dir / name).stat().st_mode) == 0o600, name
 
 
-def test_bootstrap_again_rotates_the_printed_key_but_keeps_runs_and_the_agents_key(data_dir):
+def test_bootstrap_again_keeps_the_key_the_runs_and_the_agents_key(data_dir):
+    # An agent configured with the printed key keeps working after ./steep up restarts.
     first = demo_bootstrap(model="/models/tiny")
     agent_key = (data_dir / "demo-agent.key").read_text()
     second = demo_bootstrap(model="/models/tiny")
 
     assert (second.run_id, second.online_run_id) == (first.run_id, first.online_run_id)
-    assert api_key_authenticate(plaintext=first.api_key) is None  # revoked
-    assert api_key_authenticate(plaintext=second.api_key) is not None
+    assert second.api_key == first.api_key == env_file(data_dir)["STEEP_KEY"]
+    assert api_key_authenticate(plaintext=first.api_key).name == DEMO_KEY_NAME
     assert (data_dir / "demo-agent.key").read_text() == agent_key
     assert APIKey.objects.filter(name=DEMO_KEY_NAME, revoked_at__isnull=True).count() == 1
     assert APIKey.objects.filter(name=DEMO_AGENT_KEY_NAME, revoked_at__isnull=True).count() == 1
     assert Run.objects.count() == 2
+
+
+def test_a_revoked_demo_key_is_replaced_and_demo_env_holds_the_new_one(data_dir):
+    first = demo_bootstrap(model="/models/tiny")
+    APIKey.objects.get(name=DEMO_KEY_NAME).revoke()
+    second = demo_bootstrap(model="/models/tiny")
+
+    assert second.api_key != first.api_key
+    assert env_file(data_dir)["STEEP_KEY"] == second.api_key
+    assert api_key_authenticate(plaintext=second.api_key).name == DEMO_KEY_NAME
+
+
+def test_a_key_in_demo_env_that_is_not_the_demo_key_is_not_kept(data_dir, api_key):
+    # Only the demo project's demo key is kept, not another project's written there.
+    first = demo_bootstrap(model="/models/tiny")
+    env = (data_dir / "demo.env").read_text().replace(first.api_key, api_key)
+    (data_dir / "demo.env").write_text(env)
+    second = demo_bootstrap(model="/models/tiny")
+
+    assert second.api_key not in (first.api_key, api_key)
+    assert api_key_authenticate(plaintext=first.api_key) is None  # revoked: replaced
+    assert str(api_key_authenticate(plaintext=second.api_key).project_id) == second.project_id
 
 
 def test_a_revoked_demo_agent_key_is_replaced(data_dir):
@@ -148,6 +171,8 @@ def test_the_command_prints_the_login_the_key_and_where_the_walkthrough_starts(d
     variables = env_file(data_dir)
     assert variables["STEEP_KEY"] in printed and variables["STEEP_BASE_URL"] in printed
     assert (data_dir / "admin-password.txt").read_text().strip() in printed
+    assert f"saved in {data_dir}/admin-password.txt" in printed
+    assert f"saved in {data_dir}/demo.env" in printed  # the key's line
     assert f"source {data_dir}/demo.env" in printed
 
 

@@ -114,3 +114,17 @@ def test_inactive_run_can_be_deleted(project, make_run, set_status, status):
     run = set_status(make_run(project), status)
     run_delete(run=run)
     assert not Run.objects.filter(pk=run.pk).exists()
+
+
+def test_a_status_change_is_one_status_line_once_committed_and_a_failure_a_warning(
+    project, make_run, set_status, caplog, django_capture_on_commit_callbacks
+):
+    # What ./steep up's quiet terminal shows of a run (steep.status, webapp.observability).
+    run = set_status(make_run(project, name="mine"), S.RUNNING)
+    caplog.set_level("INFO", logger="steep.status")
+    with django_capture_on_commit_callbacks(execute=True):
+        run_transition(run=run, to=S.FAILED, message="Job failed.", error="out of memory")
+        assert caplog.records == []  # not before the commit: a rolled-back move never happened
+    [record] = caplog.records
+    assert (record.name, record.levelname) == ("steep.status", "WARNING")
+    assert record.getMessage() == "run 'mine': failed (out of memory)"

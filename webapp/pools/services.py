@@ -14,6 +14,7 @@ from django.db import transaction
 
 from rl_core.sources import SourceRefused, model_source
 from webapp.accounts.keys import generate_key, hash_key
+from webapp.observability import log_status
 from webapp.pools.models import Pool, PoolServer
 from webapp.runs.sources import source_rules
 
@@ -67,6 +68,7 @@ def pool_transition(*, pool: Pool, to: str, error: str = "") -> Pool:
         locked.save(update_fields=fields)
         if to != P.RUNNING:
             _forget_servers(locked)
+        transaction.on_commit(lambda: log_status("pool", locked.name, to, error))
     return locked
 
 

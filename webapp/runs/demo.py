@@ -1,7 +1,8 @@
 """The demo that ``./steep up`` sets up, so that the README's walkthrough works as printed.
 
-In the ``demo`` project: an admin user, a fresh API key (printed, and written with the
-URLs the walkthrough needs to ``DATA_DIR/demo.env``), and two runs on the demo model.
+In the ``demo`` project: an admin user, an API key (printed, and written with the URLs the
+walkthrough needs to ``DATA_DIR/demo.env``; kept across restarts while it works, so an agent
+configured with it keeps working), and two runs on the demo model.
 Beside them, the platform's ``demo`` inference pool: one torch-engine server of the demo
 model that LoRA runs of any project may attach to (``inference_pool: demo``).
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,25 +146,42 @@ def _online_run(project: Project, model: str) -> Run:
     return run
 
 
+def _kept_key(project: Project, user, *, name: str, saved: str | None) -> str:
+    """``saved`` (a key's plaintext, as a file kept it) while it still works for ``project``;
+    else a new key named ``name``, the project's others of that name revoked."""
+    if saved:
+        key = api_key_authenticate(plaintext=saved)
+        if key is not None and key.project_id == project.id and key.name == name:
+            return saved
+    for old in APIKey.objects.filter(project=project, name=name, revoked_at__isnull=True):
+        old.revoke()
+    _, plaintext = api_key_create(project=project, name=name, user=user)
+    return plaintext
+
+
+def _saved_demo_key() -> str | None:
+    """The walkthrough's key as the last start wrote it to ``demo.env``."""
+    path = _private_file("demo.env")
+    if not path.exists():
+        return None
+    found = re.search(r"^export STEEP_KEY=(\S+)$", path.read_text(), re.M)
+    return found[1] if found else None
+
+
 def _demo_agent_key(project: Project, user) -> None:
     """The built-in demo agent's own key, kept across restarts while it still works."""
     path = _private_file("demo-agent.key")
-    if path.exists():
-        key = api_key_authenticate(plaintext=path.read_text().strip())
-        if key is not None and key.project_id == project.id:
-            return
-    for old in APIKey.objects.filter(
-        project=project, name=DEMO_AGENT_KEY_NAME, revoked_at__isnull=True
-    ):
-        old.revoke()
-    _, plaintext = api_key_create(project=project, name=DEMO_AGENT_KEY_NAME, user=user)
-    _write_private(path, plaintext + "\n")
+    saved = path.read_text().strip() if path.exists() else None
+    plaintext = _kept_key(project, user, name=DEMO_AGENT_KEY_NAME, saved=saved)
+    if plaintext != saved:
+        _write_private(path, plaintext + "\n")
 
 
 def demo_bootstrap(
     *, model: str, username: str = "admin", password: str | None = None, start: bool = False
 ) -> Demo:
-    """Idempotent: creates what is missing; rotates the demo key so it can be printed.
+    """Idempotent: creates what is missing, and keeps the demo key ``demo.env`` holds while it
+    works (a revoked one is replaced, and ``demo.env`` then holds the new one).
 
     With ``start``, the demo pool is started unless it runs (an interrupted one is left to
     the worker, which starts it again), and each demo run that can start (draft, stopped,
@@ -174,9 +193,7 @@ def demo_bootstrap(
     user, _ = user_get_or_create(username=username, password=password, is_superuser=True)
     project, _ = bootstrap_project(project_name=DEMO_PROJECT, username=user.username)
 
-    for old in APIKey.objects.filter(project=project, name=DEMO_KEY_NAME, revoked_at__isnull=True):
-        old.revoke()
-    _, plaintext = api_key_create(project=project, name=DEMO_KEY_NAME, user=user)
+    plaintext = _kept_key(project, user, name=DEMO_KEY_NAME, saved=_saved_demo_key())
     _demo_agent_key(project, user)
 
     pool = _demo_pool(model)
@@ -200,7 +217,7 @@ def demo_bootstrap(
     env_file = _private_file("demo.env")
     _write_private(
         env_file,
-        "# The README walkthrough's variables, written by ./steep up (a new key at every start).\n"
+        "# The README walkthrough's variables, written by ./steep up (the key is kept while it works).\n"
         f"export STEEP_URL={settings.SITE_URL}\n"
         f"export STEEP_KEY={plaintext}\n"
         f"export STEEP_BASE_URL={agent.base_url}\n"

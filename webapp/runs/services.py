@@ -13,6 +13,7 @@ from rl_core.config import ConfigError, RunConfig
 from rl_core.sources import SourceRefused
 from webapp.accounts.models import Project
 from webapp.datasets.models import Dataset
+from webapp.observability import log_status
 from webapp.pools.selectors import pool_attach_errors
 from webapp.rewards.secrets import seal_config
 from webapp.runs.events import publish_run_event, status_event
@@ -219,6 +220,7 @@ def run_transition(*, run: Run, to: str, message: str = "", error: str | None = 
         RunEvent.objects.create(run=locked, kind=f"status:{to}", message=message or error or "")
         event = status_event(locked)
         transaction.on_commit(lambda: publish_run_event(locked.id, event))
+        transaction.on_commit(lambda: log_status("run", locked.name, to, error or message))
     run.refresh_from_db()
     return run
 

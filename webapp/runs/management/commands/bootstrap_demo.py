@@ -26,7 +26,7 @@ class Command(BaseCommand):
   Log in       {demo.username} / {demo.password}   (saved in {settings.DATA_DIR}/admin-password.txt)
   Demo runs    {runs}/{demo.run_id}/   (a dataset run: watch its reward climb)
                {runs}/{demo.online_run_id}/   (an online run: the built-in demo agent plays on it)
-  API key      {demo.api_key}   (shown once; a new one is made at every start)
+  API key      {demo.api_key}   (kept across restarts; saved in {demo.env_file})
   Agent        base_url = {demo.agent_base_url}
 
   The README's walkthrough, in another terminal:   source {demo.env_file}
