@@ -77,15 +77,17 @@ INSTALLED_APPS = [
     "webapp.rewards",
     "webapp.evals",
     "webapp.dashboard",
+    "webapp.metrics",  # /metrics (Prometheus); its tasks module: the worker's metrics
 ]
 
 MIDDLEWARE = [
     "webapp.observability.request_id_middleware",
     "webapp.health.health_middleware",
+    "webapp.metrics.views.metrics_middleware",  # /metrics, like the probes: before host checks
     "webapp.middleware.BodySizeLimitMiddleware",
     "webapp.middleware.DatabaseUnavailableMiddleware",
     "django.middleware.security.SecurityMiddleware",
-    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "webapp.static_files.StaticFilesMiddleware",  # WhiteNoise, streamed as ASGI wants
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -195,6 +197,13 @@ for _cidr in INTERNAL_API_ALLOWED_CIDRS:
         raise ImproperlyConfigured(
             f"INTERNAL_API_ALLOWED_CIDRS: {_cidr!r} is not a network; use e.g. 10.0.0.0/8,172.16.0.0/12."
         ) from None
+# The Celery worker's own /metrics (webapp.metrics.tasks) on this port, on every interface, to
+# INTERNAL_API_ALLOWED_CIDRS like /internal/ and the web's /metrics. 0: not served.
+WORKER_METRICS_PORT = envint("WORKER_METRICS_PORT", 0, minimum=0)
+if WORKER_METRICS_PORT > 65535:
+    raise ImproperlyConfigured(
+        f"WORKER_METRICS_PORT={WORKER_METRICS_PORT} is not a TCP port; use 1-65535, or 0 for none."
+    )
 # How long the internal API holds a run job's claim (and status watch) request while there is
 # nothing new to answer: an idle run asks a few times a minute (webapp.runs.internal). 0: never.
 INTERNAL_API_LONG_POLL_S = envint("INTERNAL_API_LONG_POLL_S", 30, minimum=0)
@@ -347,27 +356,52 @@ SPECTACULAR_SETTINGS = {
 }
 
 # Logs: one line per record on stderr, each with the request id (webapp.observability).
+# LOG_CONSOLE=quiet (./steep up) keeps stderr for warnings, errors and runs' and pools' status
+# lines; LOG_FILE also gets every record (rotated), so that the quieted ones are kept.
 LOG_FORMAT = envstr("LOG_FORMAT", "plain").strip().lower()
 if LOG_FORMAT not in ("plain", "json"):
     raise ImproperlyConfigured(f"LOG_FORMAT={LOG_FORMAT!r} is not a log format; use plain or json.")
+LOG_CONSOLE = envstr("LOG_CONSOLE", "all").strip().lower()
+if LOG_CONSOLE not in ("all", "quiet"):
+    raise ImproperlyConfigured(
+        f"LOG_CONSOLE={LOG_CONSOLE!r} is not a console mode; use all (every record on stderr) or "
+        "quiet (warnings, errors and status lines; the rest in LOG_FILE only)."
+    )
+LOG_FILE = envstr("LOG_FILE", "")
+_log_handlers = ["console", "file"] if LOG_FILE else ["console"]
+_handlers: dict[str, dict] = {
+    "console": {
+        "class": "logging.StreamHandler",
+        "formatter": LOG_FORMAT,
+        "filters": ["request_id", "console"],
+    }
+}
+if LOG_FILE:
+    Path(LOG_FILE).parent.mkdir(parents=True, exist_ok=True)
+    _handlers["file"] = {
+        "class": "logging.handlers.RotatingFileHandler",
+        "filename": LOG_FILE,
+        "maxBytes": 10_000_000,
+        "backupCount": 3,
+        "delay": True,
+        "formatter": LOG_FORMAT,
+        "filters": ["request_id"],
+    }
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "filters": {"request_id": {"()": "webapp.observability.RequestIdFilter"}},
+    "filters": {
+        "request_id": {"()": "webapp.observability.RequestIdFilter"},
+        "console": {"()": "webapp.observability.ConsoleFilter", "quiet": LOG_CONSOLE == "quiet"},
+    },
     "formatters": {
         "plain": {"format": "%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"},
         "json": {"()": "webapp.observability.JsonFormatter"},
     },
-    "handlers": {
-        "console": {
-            "class": "logging.StreamHandler",
-            "formatter": LOG_FORMAT,
-            "filters": ["request_id"],
-        }
-    },
-    "root": {"handlers": ["console"], "level": envstr("LOG_LEVEL", "INFO")},
+    "handlers": _handlers,
+    "root": {"handlers": _log_handlers, "level": envstr("LOG_LEVEL", "INFO")},
     "loggers": {
-        "django": {"handlers": ["console"], "level": "INFO", "propagate": False},
+        "django": {"handlers": _log_handlers, "level": "INFO", "propagate": False},
         "django.db.backends": {"level": "WARNING"},
         # One access line per request: Steep's own (steep.request, with the request id), not
         # uvicorn's as well.
@@ -375,7 +409,9 @@ LOGGING = {
     },
 }
 if LOG_FORMAT == "json":
-    # uvicorn's and Celery's own lines in the same format.
+    # uvicorn's own lines in the same format.
     for _name in ("uvicorn", "uvicorn.error"):
-        LOGGING["loggers"][_name] = {"handlers": ["console"], "level": "INFO", "propagate": False}
+        LOGGING["loggers"][_name] = {"handlers": _log_handlers, "level": "INFO", "propagate": False}
+if LOG_FORMAT == "json" or LOG_CONSOLE == "quiet" or LOG_FILE:
+    # Celery's lines through these handlers too, instead of a stderr handler of its own.
     CELERY_WORKER_HIJACK_ROOT_LOGGER = False

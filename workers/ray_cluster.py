@@ -161,7 +161,10 @@ def _ensure_local_head(
         "--temp-dir",
         str(_ray_temp_dir(data_dir)),
     ]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    # Without the worker's metrics directory (webapp.metrics.multiprocess): Ray's own
+    # processes use prometheus_client, and would count into it.
+    env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
     # A head that failed is stopped, not left behind: its processes would hold the ports,
     # and with no head.json the next start would try them again.
     if result.returncode != 0 and not _alive(url):

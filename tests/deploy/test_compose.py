@@ -171,7 +171,11 @@ DOCKER_COMPOSE = shutil.which("docker-compose")
 
 
 @pytest.mark.skipif(DOCKER_COMPOSE is None, reason="docker-compose is not installed")
-@pytest.mark.parametrize("profile", [[], ["--profile", "gpu"]], ids=["default", "gpu"])
+@pytest.mark.parametrize(
+    "profile",
+    [[], ["--profile", "gpu"], ["--profile", "monitoring"]],
+    ids=["default", "gpu", "monitoring"],
+)
 def test_docker_compose_config_accepts_the_file(profile):
     result = subprocess.run(
         [DOCKER_COMPOSE, "--env-file", str(ENV_EXAMPLE), *profile, "config"],

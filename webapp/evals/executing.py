@@ -33,6 +33,7 @@ from webapp.evals.services import (
     eval_start,
     read_results,
 )
+from webapp.metrics.multiprocess import child_environment
 from webapp.runs.sources import run_sourced
 
 logger = logging.getLogger(__name__)
@@ -125,7 +126,7 @@ def _execute(evaluation: Eval, rows: list[dict]) -> str:
         "--backend", str(stored_setting(run.config, "inference_backend")),
         "--parent-pid", str(os.getpid()),  # it ends with this worker, never writes beside a retry
     ]  # fmt: skip
-    env = dict(os.environ) | {"STEEP_TORCH_THREADS": str(settings.STEEP_TORCH_THREADS)}
+    env = child_environment(os.environ) | {"STEEP_TORCH_THREADS": str(settings.STEEP_TORCH_THREADS)}
     with open(folder / "stderr.log", "w+") as errors:
         process = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=errors, text=True, env=env

@@ -99,7 +99,7 @@ def anthropic_error(reply: Reply) -> Reply:
             "message": error.get("message", ""),
         },
     }
-    return Reply(reply.status, orjson.dumps(body), headers=dict(reply.headers))
+    return Reply(reply.status, orjson.dumps(body), headers=dict(reply.headers), reason=reply.reason)
 
 
 # --- Request -----------------------------------------------------------------------------

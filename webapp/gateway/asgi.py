@@ -34,6 +34,7 @@ from webapp.gateway.errors import GatewayError, database_unavailable
 from webapp.gateway.lane import DB_ERRORS
 from webapp.gateway.replies import Reply
 from webapp.gateway.responses_api import create_response
+from webapp.metrics import instruments
 from webapp.middleware import too_large_body
 
 logger = logging.getLogger(__name__)
@@ -146,6 +147,7 @@ async def _serve(scope, receive, send, name: str, agent_id: str, headers: dict[s
                 reply = _refusal(name, Reply.error(database_unavailable()))
     await _send(send, receive, reply, request_id, _secure(scope, headers))
     observability.log_request(scope["method"], scope["path"], reply.status, started)
+    instruments.gateway_request(name, reply.status, reply.reason, started)
 
 
 async def _read_body(receive, headers: dict[str, str]) -> bytes | None:

@@ -31,6 +31,7 @@ class Reply:
     body: bytes = b""
     stream: AsyncIterator[bytes] | None = None
     headers: dict[str, str] = field(default_factory=dict)
+    reason: str = ""  # an error's code (a 429's reason in the metrics, webapp.metrics)
 
     @classmethod
     def json(cls, payload: dict, status: int = 200) -> Reply:
@@ -56,6 +57,7 @@ class Reply:
             status,
             orjson.dumps(payload),
             headers={"Content-Type": "application/json", **headers},
+            reason=exc.code or "",
         )
 
 

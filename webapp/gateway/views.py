@@ -5,14 +5,17 @@ APIs built on them (``responses_api``, ``anthropic_api``) and the RL protocol
 (``webapp.gateway.rl``) are framework-free and also served by the ASGI fast route; these
 views hand them Django's request and run their database work through ``lane.in_thread``.
 Every error is a GatewayError rendered in OpenAI's error shape; bad input never reaches
-the database.
+the database. Every answer is counted in the gateway's metrics (``webapp.metrics``), as the
+fast route counts its own.
 """
 
 from __future__ import annotations
 
+import time
+
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
-from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
 from webapp.accounts.auth import bearer_token
@@ -23,6 +26,7 @@ from webapp.gateway.errors import GatewayError
 from webapp.gateway.lane import in_thread
 from webapp.gateway.replies import Reply, model_id
 from webapp.gateway.responses_api import create_response
+from webapp.metrics import instruments
 from webapp.middleware import too_large_body
 
 
@@ -30,17 +34,19 @@ def _token(request: HttpRequest) -> str | None:
     return bearer_token(request.headers.get("Authorization", ""))
 
 
-def _gateway_view(methods: tuple[str, ...], shape=None):
-    """``shape``: turns an error Reply in OpenAI's shape into the endpoint's own."""
+def _gateway_view(endpoint: str, methods: tuple[str, ...], shape=None):
+    """A view answering a Reply, counted as ``endpoint`` in the metrics. ``shape``: turns an
+    error Reply in OpenAI's shape into the endpoint's own."""
 
-    def refuse(reply: Reply) -> HttpResponse:
-        return _response(reply if shape is None else shape(reply))
+    def refuse(reply: Reply) -> Reply:
+        return reply if shape is None else shape(reply)
 
     def wrap(view):
         @csrf_exempt
         async def handler(request, agent_id, *args, **kwargs):
+            started = time.perf_counter()
             if request.method not in methods:
-                return refuse(
+                reply = refuse(
                     Reply.error(
                         GatewayError(
                             405,
@@ -49,15 +55,18 @@ def _gateway_view(methods: tuple[str, ...], shape=None):
                         )
                     )
                 )
-            try:
-                return await view(request, agent_id, *args, **kwargs)
-            except GatewayError as exc:
-                return refuse(Reply.error(exc))
-            except RequestDataTooBig:
-                # A body without Content-Length (chunked) passes the middleware's check;
-                # Django refuses it when read.
-                limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
-                return refuse(Reply.json(too_large_body(limit, openai_shape=True), status=413))
+            else:
+                try:
+                    reply = await view(request, agent_id, *args, **kwargs)
+                except GatewayError as exc:
+                    reply = refuse(Reply.error(exc))
+                except RequestDataTooBig:
+                    # A body without Content-Length (chunked) passes the middleware's check;
+                    # Django refuses it when read.
+                    limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+                    reply = refuse(Reply.json(too_large_body(limit, openai_shape=True), status=413))
+            instruments.gateway_request(endpoint, reply.status, reply.reason, started)
+            return _response(reply)
 
         handler.__name__ = view.__name__
         return handler
@@ -65,8 +74,8 @@ def _gateway_view(methods: tuple[str, ...], shape=None):
     return wrap
 
 
-@_gateway_view(("GET",))
-async def models(request, agent_id):
+@_gateway_view("models", ("GET",))
+async def models(request, agent_id) -> Reply:
     caller = await in_thread(_models_caller(_token(request), agent_id))
     run = caller.run
     data = []
@@ -82,7 +91,7 @@ async def models(request, agent_id):
                 "run_id": str(run.id),
             }
         )
-    return JsonResponse({"object": "list", "data": data})
+    return Reply.json({"object": "list", "data": data})
 
 
 def _models_caller(token, agent_id):
@@ -92,43 +101,50 @@ def _models_caller(token, agent_id):
     return operation
 
 
-def _agent_view(endpoint, shape=None, **header_arguments: str):
-    """A Django view for an agent endpoint (``completions.chat_completion``, the ``rl``
-    functions, the Responses and Messages APIs; under ASGI, ``webapp.gateway.asgi`` answers
-    these paths before Django sees them), its database work run through ``lane.in_thread``."""
+def _agent_view(name: str, endpoint, shape=None, **header_arguments: str):
+    """A Django view for the agent endpoint ``name`` (``completions.chat_completion``, the
+    ``rl`` functions, the Responses and Messages APIs; under ASGI, ``webapp.gateway.asgi``
+    answers these paths before Django sees them), its database work run through
+    ``lane.in_thread``."""
 
-    @_gateway_view(("POST",), shape)
-    async def view(request, agent_id):
-        reply = await endpoint(
+    @_gateway_view(name, ("POST",), shape)
+    async def view(request, agent_id) -> Reply:
+        return await endpoint(
             agent_id=agent_id,
             authorization=request.headers.get("Authorization", ""),
             content_type=request.headers.get("Content-Type", ""),
             body=request.body,
             db=in_thread,
-            **{name: request.headers.get(header, "") for name, header in header_arguments.items()},
+            **{arg: request.headers.get(header, "") for arg, header in header_arguments.items()},
         )
-        return _response(reply)
 
     view.__name__ = endpoint.__name__
     return view
 
 
 chat_completions = _agent_view(
-    chat_completion, retry_count="X-Stainless-Retry-Count", idempotency_key="Idempotency-Key"
+    "chat/completions",
+    chat_completion,
+    retry_count="X-Stainless-Retry-Count",
+    idempotency_key="Idempotency-Key",
 )
 responses = _agent_view(
-    create_response, retry_count="X-Stainless-Retry-Count", idempotency_key="Idempotency-Key"
+    "responses",
+    create_response,
+    retry_count="X-Stainless-Retry-Count",
+    idempotency_key="Idempotency-Key",
 )
 messages = _agent_view(
+    "messages",
     create_message,
     anthropic_error,
     api_key="X-Api-Key",
     retry_count="X-Stainless-Retry-Count",
     idempotency_key="Idempotency-Key",
 )
-start_session = _agent_view(rl.start_session)
-set_reward = _agent_view(rl.set_reward)
-end_session = _agent_view(rl.end_session)
+start_session = _agent_view("rl/start_session", rl.start_session)
+set_reward = _agent_view("rl/set_reward", rl.set_reward)
+end_session = _agent_view("rl/end_session", rl.end_session)
 
 
 def _response(reply: Reply) -> HttpResponse:

@@ -151,16 +151,21 @@ def _networks(cidrs: tuple[str, ...]) -> tuple:
     return tuple(ipaddress.ip_network(cidr, strict=False) for cidr in cidrs)
 
 
-def _network_allowed(request: HttpRequest) -> bool:
-    """``INTERNAL_API_ALLOWED_CIDRS`` (empty: any network) holds the caller's address."""
+def network_allowed(address: str) -> bool:
+    """``INTERNAL_API_ALLOWED_CIDRS`` (empty: any network) holds ``address``: the rule of
+    ``/internal/``, and of ``/metrics`` (``webapp.metrics``)."""
     if not settings.INTERNAL_API_ALLOWED_CIDRS:
         return True
     try:
-        address = ipaddress.ip_address(request.META.get("REMOTE_ADDR", ""))
+        ip = ipaddress.ip_address(address)
     except ValueError:
         return False
     networks = _networks(tuple(settings.INTERNAL_API_ALLOWED_CIDRS))
-    return any(address in network for network in networks)
+    return any(ip in network for network in networks)
+
+
+def _network_allowed(request: HttpRequest) -> bool:
+    return network_allowed(request.META.get("REMOTE_ADDR", ""))
 
 
 def _admit(request: HttpRequest, run_id: str, method: str) -> Run | JsonResponse:
