@@ -39,12 +39,14 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import httpx
-import torch
 
 from rl_core.types import Trajectory
+
+if TYPE_CHECKING:  # the loop imports this module; the job's loop process imports no torch
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -268,6 +270,8 @@ class TeacherScorer:
 
 def reverse_kl_terms(trajectories: Sequence[Trajectory]) -> torch.Tensor:
     """``log p_teacher - log p_student`` over every trained token of the batch (flat)."""
+    import torch
+
     parts = []
     for traj in trajectories:
         if traj.teacher_logprobs is None:
@@ -287,6 +291,8 @@ def distill_advantages(
     """``A_t = reward_weight * A_reward_t + distill_weight * (log p_teacher - log p_student)``
     on trained tokens (0 elsewhere); a trajectory the teacher did not score keeps its reward
     advantage scaled by ``reward_weight``."""
+    import torch
+
     out = []
     for traj, adv in zip(trajectories, reward_advantages, strict=True):
         total = adv * reward_weight  # [L]
