@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -232,7 +233,7 @@ def packed_logprobs(
     temps = None if temperature is not None or batch.temperatures is None else batch.temperatures
     scale = temps[1:, None] if temps is not None else temperature  # [T-1, 1] | float | None
     rows, head, recompute = _rows(model, ids, kwargs, from_hidden)  # [T, H | V]
-    scores = chunked_scores(
+    lps, ents = _scored(
         head,
         rows[:-1],  # row t → token t+1
         targets,
@@ -242,12 +243,17 @@ def packed_logprobs(
         chunk_tokens=chunk_tokens,
         recompute=recompute,
     )
+    return _per_token(batch, lps, ents, with_entropy)
+
+
+def _scored(*args: Any, **kwargs: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``chunked_scores`` collected: each chunk's logprobs ``[C]``, and entropies if asked."""
     lps, ents = [], []
-    for logprobs, entropy in scores:
+    for logprobs, entropy in chunked_scores(*args, **kwargs):
         lps.append(logprobs)  # [C]
         if entropy is not None:
             ents.append(entropy)  # [C]
-    return _per_token(batch, lps, ents, with_entropy)
+    return lps, ents
 
 
 def _rows(
@@ -291,7 +297,7 @@ def _tree_logprobs(
         temps = batch.temperatures.new_ones(tree.num_tokens)  # [N]
         temps[tree.flat_index] = batch.temperatures  # merged tokens share their temperature
         scale = temps[scored, None]  # [P, 1]
-    scores = chunked_scores(
+    lps, ents = _scored(
         head,
         rows[tree.pred[scored]],  # [P, H | V]
         tree.input_ids[0, scored],  # [P]
@@ -301,11 +307,6 @@ def _tree_logprobs(
         chunk_tokens=chunk_tokens,
         recompute=recompute,
     )
-    lps, ents = [], []
-    for logprobs, entropy in scores:
-        lps.append(logprobs)  # [C]
-        if entropy is not None:
-            ents.append(entropy)  # [C]
     # Tree token -> its score's place; each root's first token (a sequence's first) -> 0.
     slot = torch.full((tree.num_tokens,), len(scored), device=scored.device)  # [N]
     slot[scored] = torch.arange(len(scored), device=scored.device)
