@@ -46,6 +46,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 
 import gateway as g  # noqa: E402  (bench/gateway.py)
+from gateway_steps import asgi_request  # noqa: E402
 
 GATEWAY = str(ROOT / "webapp" / "gateway") + os.sep
 CHAT = str(ROOT / "rl_core" / "chat.py")
@@ -134,47 +135,11 @@ def only(sequence: list[str], names: tuple[str, ...]) -> list[str]:
 
 async def call(app, path: str, body: dict, key: str) -> tuple[int, bytes]:
     """One POST through the ASGI app: its status and whole body (a stream read to its end)."""
-    data = json.dumps(body).encode()
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "headers": [
-            (b"host", b"127.0.0.1"),
-            (b"content-length", str(len(data)).encode()),
-            (b"content-type", b"application/json"),
-            (b"authorization", f"Bearer {key}".encode()),
-        ],
-        "client": ("127.0.0.1", 50000),
-        "server": ("127.0.0.1", 8000),
-    }
-    received = False
-
-    async def receive():
-        nonlocal received
-        if not received:
-            received = True
-            return {"type": "http.request", "body": data, "more_body": False}
-        await asyncio.sleep(3600)
-        return {"type": "http.disconnect"}
-
-    status, chunks = 0, []
-
-    async def send(message):
-        nonlocal status
-        if message["type"] == "http.response.start":
-            status = message["status"]
-        else:
-            chunks.append(message.get("body", b""))
-
-    await app(scope, receive, send)
-    return status, b"".join(chunks)
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"authorization", f"Bearer {key}".encode()),
+    ]
+    return await asgi_request(app, path, json.dumps(body).encode(), headers)
 
 
 def answer_of(body: bytes, stream: bool) -> dict:

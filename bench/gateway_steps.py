@@ -53,6 +53,8 @@ def timed(samples: dict, name: str):
 
 
 async def asgi_request(app, path: str, body: bytes, headers: list[tuple[bytes, bytes]]):
+    """One POST through the ASGI app, in process: its status and whole body (a stream read to
+    its end)."""
     scope = {
         "type": "http",
         "asgi": {"version": "3.0"},
@@ -80,14 +82,16 @@ async def asgi_request(app, path: str, body: bytes, headers: list[tuple[bytes, b
         await asyncio.sleep(3600)
         return {"type": "http.disconnect"}
 
-    status = {}
+    status, chunks = {}, []
 
     async def send(message):
         if message["type"] == "http.response.start":
             status["code"] = message["status"]
+        else:
+            chunks.append(message.get("body", b""))
 
     await app(scope, receive, send)
-    return status.get("code")
+    return status.get("code"), b"".join(chunks)
 
 
 async def run_steps(n: int, agent_id: str, key: str, whole_only: bool = False) -> dict:
@@ -109,18 +113,18 @@ async def run_steps(n: int, agent_id: str, key: str, whole_only: bool = False) -
 
     # warm up: tokenizer cache, the lane's connection, the HTTP pool
     for _ in range(20):
-        assert await asgi_request(application, path, body, headers) == 200
+        assert (await asgi_request(application, path, body, headers))[0] == 200
 
     for _ in range(n):
         with timed(samples, "whole request via the ASGI app (in-process)"):
-            code = await asgi_request(application, path, body, headers)
+            code, _ = await asgi_request(application, path, body, headers)
         assert code == 200, code
     if whole_only:
         return samples
 
     for _ in range(n):
         with timed(samples, "request answered 401 (no key): routing + parsing only"):
-            assert await asgi_request(application, path, body, headers[1:]) == 401
+            assert (await asgi_request(application, path, body, headers[1:]))[0] == 401
 
     for _ in range(n):
         with timed(samples, "one empty lane round trip (queue, commit, wake-up)"):
