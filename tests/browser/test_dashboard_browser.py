@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from playwright.sync_api import expect
 
 from webapp.accounts.models import APIKey
 from webapp.agents.models import Agent
@@ -22,7 +23,8 @@ def test_a_new_key_is_shown_once_and_then_only_its_prefix(logged_in, live_server
     page = logged_in
     page.click(f"text={project.name}")
     page.click("nav.tabs >> text=API keys")
-    assert "No API keys yet" in page.content()
+    # The click navigates; expect waits for the new page (content() mid-navigation is empty).
+    expect(page.locator("body")).to_contain_text("No API keys yet")
     page.fill("#keys-panel input[name=name]", "laptop")
     page.click("#keys-panel button:has-text('Create key')")
     shown = page.locator("#new-key-value").inner_text()
@@ -56,7 +58,7 @@ def test_a_bad_dataset_shows_line_numbered_errors_inline_and_stores_nothing(
     page.set_input_files("#datasets-panel input[name=file]", str(good))
     page.click("#datasets-panel button:has-text('Upload')")
     page.wait_for_url("**/datasets/*/")
-    assert "2 rows" in page.content()
+    expect(page.locator("body")).to_contain_text("2 rows")
 
 
 def test_a_run_created_from_the_form_and_an_agent_with_its_base_url(
@@ -69,12 +71,12 @@ def test_a_run_created_from_the_form_and_an_agent_with_its_base_url(
     page.fill("input[name=base_model]", "/models/tiny")
     page.fill("input[name=max_staleness]", "-1")
     page.click("button:has-text('Create run')")
-    assert "max_staleness must be at least 0" in page.content()
+    expect(page.locator("body")).to_contain_text("max_staleness must be at least 0")
     assert not Run.objects.filter(project=project).exists()
     page.fill("input[name=max_staleness]", "2")
     page.click("button:has-text('Create run')")
     # A directory the instance does not offer as a model: said where models may come from.
-    assert "is not a model directory this instance offers" in page.content()
+    expect(page.locator("body")).to_contain_text("is not a model directory this instance offers")
     assert "STEEP_MODEL_ROOTS" in page.content()
     assert not Run.objects.filter(project=project).exists()
     page.fill("input[name=base_model]", "tiny-llama")  # one of the tests' model directories
