@@ -297,6 +297,22 @@ class RunConfig:
         min=0.0,
         advanced=True,
     )
+    self_distill: bool = _f(
+        False,
+        "Self-distillation from feedback: the teacher is the policy itself (its own servers) with the session's hint in context (/rl/set_reward's hint, a feedback comment, a judge's critique); sessions without one train on reward alone. Not with teacher_url.",
+        advanced=True,
+    )
+    hint_position: str = _f(
+        "system",
+        "Where self_distill puts the hint: system = a system message before the conversation; before_response = text right before the first answer token.",
+        choices=("system", "before_response"),
+        advanced=True,
+    )
+    hint_template: str = _f(
+        "A reviewer's note on this task: {hint}",
+        "How self_distill words the hint ({hint} is replaced by it).",
+        advanced=True,
+    )
     # Sessions (online mode)
     train_incomplete_sessions: bool = _f(
         False, "Train expired sessions that have at least one reward."
@@ -455,7 +471,13 @@ class RunConfig:
                 "teacher_model",
                 "teacher_api openai needs the model name to send: set teacher_model.",
             )
-        if self.teacher_url and not (self.distill_weight or self.reward_weight):
+        if self.self_distill and self.teacher_url:
+            bad("self_distill", "self_distill's teacher is the policy: leave teacher_url empty.")
+        if self.self_distill and "{hint}" not in self.hint_template:
+            bad("hint_template", "hint_template must contain {hint}.")
+        if (self.teacher_url or self.self_distill) and not (
+            self.distill_weight or self.reward_weight
+        ):
             bad(
                 "distill_weight",
                 "distill_weight and reward_weight are both 0: nothing would train.",

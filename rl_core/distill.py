@@ -35,14 +35,16 @@ The teacher must share the student's tokenizer: it scores the student's token id
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import httpx
 
+from rl_core.hints import HintPlacement, signal_of, unhinted
 from rl_core.types import Trajectory
 
 if TYPE_CHECKING:  # the loop imports this module; the job's loop process imports no torch
@@ -62,8 +64,9 @@ class TeacherError(RuntimeError):
 class Teacher(Protocol):
     name: str
 
-    async def logprobs(self, input_ids: Sequence[int]) -> list[float]:
-        """``log p(input_ids[t] | input_ids[:t])`` for every ``t``; 0.0 at ``t = 0``."""
+    async def logprobs(self, input_ids: Sequence[int], adapter: str | None = None) -> list[float]:
+        """``log p(input_ids[t] | input_ids[:t])`` for every ``t``; 0.0 at ``t = 0``
+        (``adapter``: a LoRA adapter the server has loaded, to score under)."""
         ...
 
     async def tokenizer_path(self) -> str | None: ...
@@ -118,13 +121,15 @@ class SGLangTeacher(_HTTPTeacher):
     api = "sglang"
     _models_path = "/get_model_info"
 
-    async def logprobs(self, input_ids: Sequence[int]) -> list[float]:
-        body = {
+    async def logprobs(self, input_ids: Sequence[int], adapter: str | None = None) -> list[float]:
+        body: dict[str, Any] = {
             "input_ids": list(input_ids),
             "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
             "return_logprob": True,
             "logprob_start_len": 0,
         }
+        if adapter:
+            body["lora_path"] = adapter
         data = await self._post("/generate", body)
         entries = data["meta_info"]["input_token_logprobs"]  # [[logprob | None, id, text?], ...]
         return _aligned(input_ids, [(e[0], e[1]) for e in entries], self.name)
@@ -133,11 +138,13 @@ class SGLangTeacher(_HTTPTeacher):
 class VLLMTeacher(_HTTPTeacher):
     api = "vllm"
 
-    async def logprobs(self, input_ids: Sequence[int]) -> list[float]:
-        body = {
+    async def logprobs(self, input_ids: Sequence[int], adapter: str | None = None) -> list[float]:
+        body: dict[str, Any] = {
             "token_ids": list(input_ids),
             "sampling_params": {"max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0},
         }
+        if adapter:
+            body["model"] = adapter  # a loaded adapter is named as a model
         data = await self._post("/inference/v1/generate", body)
         rows = data.get("prompt_logprobs") or []
         pairs = []
@@ -154,9 +161,9 @@ class OpenAITeacher(_HTTPTeacher):
     api = "openai"
     _models_path = "/models"
 
-    async def logprobs(self, input_ids: Sequence[int]) -> list[float]:
+    async def logprobs(self, input_ids: Sequence[int], adapter: str | None = None) -> list[float]:
         body = {
-            "model": self.model,
+            "model": adapter or self.model,
             "prompt": list(input_ids),
             "max_tokens": 1,
             "echo": True,
@@ -200,6 +207,40 @@ def make_teacher(
     return SGLangTeacher(url, model=model, http=http)
 
 
+class ServedPolicy:
+    """The run's own policy as a teacher: its inference servers (``urls()``: the current
+    ones, taken in turn), asked by their protocol, under the current LoRA adapter if any."""
+
+    def __init__(
+        self,
+        urls: Callable[[], list[str]],
+        backend: str,
+        adapter: Callable[[], str | None] = lambda: None,
+    ):
+        self.name = f"the policy ({backend} servers)"
+        self._urls, self._adapter = urls, adapter
+        self._api = "vllm" if backend == "vllm" else "sglang"  # the torch engine speaks SGLang's
+        self._teachers: dict[str, Any] = {}
+        self._turn = itertools.count()
+
+    async def logprobs(self, input_ids: Sequence[int], adapter: str | None = None) -> list[float]:
+        urls = self._urls()
+        if not urls:
+            raise TeacherError("the run has no inference server to score hints with")
+        url = urls[next(self._turn) % len(urls)]
+        if url not in self._teachers:
+            self._teachers[url] = make_teacher(url, self._api)
+        return await self._teachers[url].logprobs(input_ids, adapter=adapter or self._adapter())
+
+    async def tokenizer_path(self) -> str | None:
+        return None  # the student's own
+
+    async def aclose(self) -> None:
+        for teacher in self._teachers.values():
+            await teacher.aclose()
+        self._teachers.clear()
+
+
 async def connect_teacher(cfg: Any, rules: Any = None) -> TeacherScorer | None:
     """The run's teacher (``RunConfig.teacher_url``), its tokenizer checked; None without one.
 
@@ -222,12 +263,18 @@ async def connect_teacher(cfg: Any, rules: Any = None) -> TeacherScorer | None:
 @dataclass
 class TeacherScorer:
     """Scores a batch's trajectories with ``teacher`` (``concurrency`` calls at a time, each
-    retried ``retries`` times with backoff) and keeps count for the step's metrics."""
+    retried ``retries`` times with backoff) and keeps count for the step's metrics.
+
+    With ``hints`` (self-distillation, ``rl_core.hints``) only the trajectories with a hint are
+    scored, each with its hint in the teacher's context, and ``on_signals`` receives what the
+    hints produced, by session (for the session page)."""
 
     teacher: Teacher
     concurrency: int = 8
     retries: int = 3
     backoff_s: float = 0.5
+    hints: HintPlacement | None = None
+    on_signals: Callable[[dict[str, dict]], Awaitable[None]] | None = None
 
     async def aclose(self) -> None:
         await self.teacher.aclose()
@@ -236,14 +283,21 @@ class TeacherScorer:
         """Sets each trajectory's ``teacher_logprobs``; the step's ``distill/`` metrics."""
         gate = asyncio.Semaphore(self.concurrency)
         calls, retried, seconds = [0], [0], [0.0]
+        jobs: list[tuple[Trajectory, tuple[list[int], int, int]]] = []
+        for traj in trajectories:
+            context = self._context(traj)
+            if context is not None:
+                jobs.append((traj, context))
 
-        async def one(traj: Trajectory) -> None:
+        async def one(traj: Trajectory, context: tuple[list[int], int, int]) -> None:
+            input_ids, at, length = context
             async with gate:
                 for attempt in range(self.retries + 1):
                     started = time.perf_counter()
                     try:
                         calls[0] += 1
-                        traj.teacher_logprobs = await self.teacher.logprobs(traj.input_ids)
+                        scores = await self.teacher.logprobs(input_ids)
+                        traj.teacher_logprobs = unhinted(scores, at, length) if length else scores
                         seconds[0] += time.perf_counter() - started
                         return
                     except (httpx.HTTPError, TeacherError, KeyError, TypeError) as exc:
@@ -257,15 +311,36 @@ class TeacherScorer:
                         logger.warning("teacher call failed (%s); retrying", exc)
                         await asyncio.sleep(self.backoff_s * 2**attempt)
 
-        await asyncio.gather(*(one(t) for t in trajectories))
+        await asyncio.gather(*(one(t, c) for t, c in jobs))
+        if self.hints is not None and self.on_signals is not None and jobs:
+            await self.on_signals(_signals_by_session([t for t, _ in jobs]))
         gaps = reverse_kl_terms(trajectories)
-        return {
+        metrics = {
             "distill/teacher_calls": float(calls[0]),
             "distill/teacher_retries": float(retried[0]),
-            "distill/teacher_tokens": float(sum(len(t.input_ids) for t in trajectories)),
+            "distill/teacher_tokens": float(sum(len(c[0]) for _, c in jobs)),
             "distill/teacher_latency_s": seconds[0] / max(calls[0], 1),
             "distill/reverse_kl": float(-gaps.mean()) if gaps.numel() else 0.0,
         }
+        if self.hints is not None:
+            metrics["distill/hinted_trajectories"] = float(len(jobs))
+        return metrics
+
+    def _context(self, traj: Trajectory) -> tuple[list[int], int, int] | None:
+        """What the teacher reads: the trajectory's tokens, or with its hint (None: no hint,
+        not scored)."""
+        if self.hints is None:
+            return list(traj.input_ids), 0, 0
+        return self.hints.hinted(traj)
+
+
+def _signals_by_session(trajectories: Sequence[Trajectory]) -> dict[str, dict]:
+    out: dict[str, dict] = {}
+    for traj in trajectories:
+        session = traj.session_id.split("#")[0]
+        entry = out.setdefault(session, {"hint": traj.metadata.get("hint"), "trajectories": []})
+        entry["trajectories"].append(signal_of(traj))
+    return out
 
 
 def reverse_kl_terms(trajectories: Sequence[Trajectory]) -> torch.Tensor:

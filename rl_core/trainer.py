@@ -196,7 +196,13 @@ class PPOTrainer(TrainerSaving):
             advantages, adv_stats = token_advantages(
                 batch, cfg.resolved_advantage, cfg.turn_discount
             )
-            if any(t.teacher_logprobs is not None for t in batch):  # on-policy distillation
+            # On-policy distillation (a self-distilling batch without hints: reward alone,
+            # weighted as in every other batch of the run)
+            if (
+                cfg.teacher_url
+                or cfg.self_distill
+                or any(t.teacher_logprobs is not None for t in batch)
+            ):
                 advantages = distill_advantages(
                     batch, advantages, cfg.reward_weight, cfg.distill_weight
                 )

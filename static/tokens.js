@@ -26,7 +26,9 @@
     text.textContent = visible(tok.textContent);
     const facts = document.createElement("dl");
     facts.append(...row("id", tok.dataset.id));
-    if (tok.classList.contains("prompt")) {
+    if (tok.dataset.signal !== undefined) {
+      facts.append(...row("hint signal", `${Number(tok.dataset.signal).toFixed(4)}  (teacher − student)`));
+    } else if (tok.classList.contains("prompt")) {
       facts.append(...row("kind", "prompt token"));
     } else {
       const lp = Number(tok.dataset.lp);

@@ -155,6 +155,10 @@ class InternalAPI:
     async def unregister_server(self, url: str) -> None:
         await self.call("POST", "servers", {"url": url, "action": "unregister"})
 
+    async def hint_signals(self, sessions: dict[str, dict]) -> None:
+        """What each session's hint did to its tokens (``rl_core.hints``), for its page."""
+        await self.call("POST", "hint_signals", {"sessions": sessions})
+
     async def release(self) -> int:
         return (await self.call("POST", "release", {}))["released"]
 

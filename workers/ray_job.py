@@ -113,6 +113,31 @@ async def watch_servers(
             )
 
 
+def self_teacher(config, run_id: str, loop, weight_sync, backend: str, api: InternalAPI):
+    """Self-distillation (``rl_core.hints``): the run's servers score each hinted session
+    under the current version's weights (or adapter); what the hints did goes to the web app."""
+    from rl_core.chat import load_chat_tokenizer
+    from rl_core.distill import ServedPolicy, TeacherScorer
+    from rl_core.hints import HintPlacement
+    from rl_core.inference.adapters import current_adapter
+
+    def adapter() -> str | None:
+        return current_adapter(
+            run_id,
+            loop.version,
+            lora_rank=config.lora_rank,
+            init_checkpoint=config.init_checkpoint,
+        )
+
+    return TeacherScorer(
+        ServedPolicy(lambda: list(weight_sync.urls), backend, adapter),
+        hints=HintPlacement(
+            load_chat_tokenizer(config.base_model), config.hint_position, config.hint_template
+        ),
+        on_signals=api.hint_signals,
+    )
+
+
 async def run_job(run_id: str, web_url: str, secret: str) -> str:
     from rl_core.adapter_sync import AdapterSync
     from rl_core.chat import load_chat_tokenizer
@@ -241,6 +266,8 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
             checkpoint_dir=data_dir / "checkpoints",
             teacher=teacher,
         )
+        if config.self_distill:  # the policy, with each session's hint, is the teacher
+            teacher = loop.teacher = self_teacher(config, run_id, loop, weight_sync, backend, api)
         await loop.prepare()  # resume from the last checkpoint and push its weights before serving
         # Before anything is served: the run goes back to the restored step and version (0 without
         # a checkpoint). What the previous attempt claimed, or trained after that checkpoint, is

@@ -110,3 +110,32 @@ def test_a_teacher_with_another_tokenizer_fails_the_run_naming_both(stack, rest,
     assert "must share one tokenizer" in final["error"]
     assert str(other) in final["error"] and str(stack.model_dir) in final["error"]
     assert "Traceback" not in final["error"]  # the message says all there is to say
+
+
+def test_an_online_lora_run_self_distils_from_the_hints_its_agents_send(stack, rest):
+    """The policy is its own teacher (self_distill): the job scores each session that came with
+    a hint under the current adapter, with the hint in context, and tells the web app what the
+    hint did to each token; sessions without one train on their reward alone."""
+    from tests.e2e.test_training_runs import online_lora_run_played
+    from webapp.gateway.models import Session
+    from webapp.runs.models import MetricPoint
+
+    hint = "The answer is the letter a."
+    run, _, ended = online_lora_run_played(rest, stack, "self distil", hint=hint, self_distill=True)
+    wait_for(
+        lambda: run_state(rest, run["id"])["status"] in ("completed", "failed"),
+        240,
+        f"the run to complete\n{stack.log_tail()}",
+    )
+    final = run_state(rest, run["id"])
+    assert final["status"] == "completed", final.get("error")
+    hinted = MetricPoint.objects.filter(run_id=run["id"], name="distill/hinted_trajectories")
+    assert hinted.count() == 3 and sum(p.value for p in hinted) > 0
+    trained = Session.objects.filter(run_id=run["id"], trajectory=Session.Trajectory.TRAINED)
+    with_hint = trained.exclude(hint="")
+    assert with_hint.exists() and all(s.hint == hint for s in with_hint)
+    for session in with_hint:  # what the hint did, per trained token, kept for its page
+        [part] = session.hint_signal["trajectories"]
+        assert len(part["tokens"]) == len(part["signal"]) > 0
+    assert not trained.filter(hint="").exclude(hint_signal=None).exists()
+    assert set(str(s.pk) for s in trained) <= set(ended)

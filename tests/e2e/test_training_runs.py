@@ -270,10 +270,12 @@ def test_online_agents_train_while_running_within_the_staleness_bound(stack, res
     assert not MetricPoint.objects.filter(run_id=run["id"], name="timing/save_weights").exists()
 
 
-def _agents_until_the_run_ends(rest, run, agent) -> tuple[set[int], list[str]]:
+def _agents_until_the_run_ends(
+    rest, run, agent, hint: str | None = None
+) -> tuple[set[int], list[str]]:
     """Agents play 2-turn sessions (temperature 1, rewarded for an "a") through the gateway
     with the official openai SDK until the run stops running; the policy versions they
-    were served and the ids of the sessions they ended."""
+    were served and the ids of the sessions they ended. ``hint``: sent with every reward 0."""
     from openai import APIStatusError, OpenAI
 
     project_key = rest.headers["Authorization"].split()[1]
@@ -312,12 +314,10 @@ def _agents_until_the_run_ends(rest, run, agent) -> tuple[set[int], list[str]]:
             assert run_state(rest, run["id"])["status"] != "running"
             break
         auth = {"Authorization": f"Bearer {session['api_key']}"}
+        reward = float("a" in reply.choices[0].message.content)
+        body = {"reward": reward} | ({"hint": hint} if hint and not reward else {})
         assert (
-            httpx.post(
-                f"{agent['base_url']}/rl/set_reward",
-                headers=auth,
-                json={"reward": float("a" in reply.choices[0].message.content)},
-            ).status_code
+            httpx.post(f"{agent['base_url']}/rl/set_reward", headers=auth, json=body).status_code
             == 200
         )
         assert httpx.post(f"{agent['base_url']}/rl/end_session", headers=auth).status_code == 200
@@ -341,7 +341,9 @@ def _pids_whose_command_has(fragment: str) -> list[int]:
     return pids
 
 
-def online_lora_run_played(rest, stack, name: str, **settings) -> tuple[dict, set[int], list[str]]:
+def online_lora_run_played(
+    rest, stack, name: str, hint: str | None = None, **settings
+) -> tuple[dict, set[int], list[str]]:
     """An online LoRA run of 3 steps (batch 4, ``settings`` on top) created, started and
     played by agents until it stops running: (the run, the versions served, the sessions ended)."""
     created = rest.post(
@@ -368,7 +370,7 @@ def online_lora_run_played(rest, stack, name: str, **settings) -> tuple[dict, se
         300,
         f"the run to be running\n{stack.log_tail()}",
     )
-    seen_versions, ended = _agents_until_the_run_ends(rest, run, agent)
+    seen_versions, ended = _agents_until_the_run_ends(rest, run, agent, hint)
     return run, seen_versions, ended
 
 

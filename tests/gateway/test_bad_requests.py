@@ -190,6 +190,8 @@ BAD_REWARDS = [
     ('{"reward": 1e999}', "reward", "invalid_type"),
     ('{"reward": 1, "interaction_id": 5}', "interaction_id", "invalid_type"),
     ('{"reward": 1, "interaction_id": "\\u0000"}', None, "invalid_value"),
+    ('{"reward": 1, "hint": ["try again"]}', "hint", "invalid_type"),
+    ('{"reward": 1, "hint": "' + "x" * 8001 + '"}', "hint", "string_above_max_length"),
 ]
 
 

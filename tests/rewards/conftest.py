@@ -5,6 +5,11 @@ from __future__ import annotations
 import pytest
 
 from tests.judge_stub import StubJudge
+from tests.rl_core.conftest import (  # noqa: F401  (a torch engine and a reference forward)
+    reference,
+    torch_engine,
+    torch_engine_factory,
+)
 from tests.web.conftest import (  # noqa: F401  (recorded sessions, written through the ORM)
     chat_tokenizer,
     make_session,

@@ -209,6 +209,7 @@ def test_online_sessions_that_end_unrewarded_are_judged(
     rewards_tick()
     judged.refresh_from_db()
     assert judged.trajectory == T.READY and judged.interactions.get().reward == 1.0
+    assert judged.hint == "graded"  # the critique: a self-distilling run's teacher reads it
     assert not RewardRequest.objects.filter(session=rewarded).exists()  # it had its reward
     assert len(judge_server.requests) == 1
 

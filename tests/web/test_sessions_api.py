@@ -160,6 +160,7 @@ def test_list_returns_the_projects_sessions_newest_first(api, recorded):
         "reward": 1.5,
         "admitted_version": 3,
         "trained_version": None,
+        "hint": "",
         "created_at": row["created_at"],
         "last_activity_at": row["last_activity_at"],
         "ended_at": row["ended_at"],

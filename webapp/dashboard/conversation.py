@@ -263,3 +263,32 @@ def interaction_preview(interaction) -> dict:
         "tokens": len(chosen.get("output_ids") or []),
         "versions": sorted(set(versions)),
     }
+
+
+# Self-distillation (rl_core.hints): a hint's per-token signal, teacher - student, coloured by
+# its sign (green: the hint made the token likelier, red: unlikelier) and its size.
+SIGNAL_STEPS = (0.05, 0.5, 2.0)  # |signal| at which the colour reaches levels 1, 2, 3
+
+
+def signal_class(value: float) -> str:
+    level = sum(abs(value) >= step for step in SIGNAL_STEPS)
+    return "sig0" if level == 0 else f"sig{'up' if value > 0 else 'down'}{level}"
+
+
+def hint_view(session, decode) -> dict | None:
+    """The session's hint and, once a self-distilling step scored it, the signal it gave each
+    trained token (``Session.hint_signal``); None when the session has neither."""
+    scored = session.hint_signal or {}
+    if not session.hint and not scored:
+        return None
+    parts = []
+    for part in scored.get("trajectories") or []:
+        ids, values = part.get("tokens") or [], part.get("signal") or []
+        texts = decode(ids) if decode is not None else [str(i) for i in ids]
+        parts.append(
+            [
+                {"id": i, "text": text, "value": value, "cls": signal_class(value)}
+                for i, text, value in zip(ids, texts, values, strict=False)
+            ]
+        )
+    return {"hint": session.hint, "scored_hint": scored.get("hint", ""), "trajectories": parts}

@@ -461,6 +461,7 @@ def session_context(project, session, page: str | None = None) -> dict:
         "metadata_json": json.dumps(session.metadata, indent=2, sort_keys=True),
         "decoded": decode is not None,
         "feedback": session_feedback(session=session),
+        "hint": conversation.hint_view(session, decode),
     }
 
 

@@ -69,6 +69,11 @@ class SessionOutput(serializers.Serializer):
     )
     admitted_version = serializers.IntegerField()
     trained_version = serializers.IntegerField(allow_null=True)
+    hint = serializers.CharField(
+        allow_blank=True,
+        help_text="A correction in words (set_reward's hint, a feedback comment, a judge's "
+        "critique) a self-distilling run's teacher reads in context.",
+    )
     created_at = serializers.DateTimeField()
     last_activity_at = serializers.DateTimeField()
     ended_at = serializers.DateTimeField(allow_null=True)
@@ -114,6 +119,11 @@ class InteractionOutput(serializers.Serializer):
 
 
 class SessionDetailOutput(SessionOutput):
+    hint_signal = serializers.DictField(
+        allow_null=True,
+        help_text="What the hint did: {hint, trajectories: [{tokens, signal}]}, the teacher's "
+        "minus the student's logprob of each trained token.",
+    )
     interactions = InteractionOutput(source="turns", many=True)
 
 

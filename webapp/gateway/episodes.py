@@ -79,9 +79,19 @@ def start(*, token: str | None, agent_id, task_id: str, metadata: dict, new_key:
     return operation
 
 
-def reward(*, token: str | None, agent_id, reward: float, interaction_id: str | None):
+def reward(
+    *,
+    token: str | None,
+    agent_id,
+    reward: float,
+    interaction_id: str | None,
+    hint: str | None = None,
+):
     """Set a turn's reward (the last turn when no id); answers ``{"interaction_id",
     "session_id", "reward"}``. Setting the same value again changes nothing.
+
+    ``hint``: a correction in words for a self-distilling run (``rl_core.hints``), kept on the
+    session until its trajectory goes to training (also beside a reward already set).
 
     With a project key an ``interaction_id`` is required: it names a one-turn completion of
     this agent, whose session then ends and goes to training.
@@ -105,13 +115,18 @@ def reward(*, token: str | None, agent_id, reward: float, interaction_id: str | 
         if turn_id is None:
             _no_turn(interaction_id)
         answer = {"interaction_id": turn_id, "session_id": str(session_id), "reward": reward}
+        untrained = trajectory in (T.PENDING, T.READY, T.UNREWARDED)
+        if hint is not None:
+            answer["hint"] = hint
         if current == reward:
+            if hint is not None and untrained:
+                _set_hint(cursor, session_pk, hint)
             return answer
         if status == S.ENDED and not one_turn:
             raise GatewayError(
                 409, f"Session {session_id} has ended; its rewards are final.", code="session_ended"
             )
-        if one_turn and trajectory not in (T.PENDING, T.READY, T.UNREWARDED):
+        if one_turn and not untrained:
             raise GatewayError(
                 409,
                 "This completion has already gone to training; its reward is final.",
@@ -126,6 +141,8 @@ def reward(*, token: str | None, agent_id, reward: float, interaction_id: str | 
             f"UPDATE {_SESSIONS} SET last_activity_at = %s WHERE id = %s",
             [sql.value(cursor, Session, "last_activity_at", now), session_pk],
         )
+        if hint is not None:
+            _set_hint(cursor, session_pk, hint)
         if one_turn:
             if status == S.OPEN:
                 lifecycle.end(cursor, session_id)
@@ -134,6 +151,10 @@ def reward(*, token: str | None, agent_id, reward: float, interaction_id: str | 
         return answer
 
     return operation
+
+
+def _set_hint(cursor, session_pk, hint: str) -> None:
+    cursor.execute(f"UPDATE {_SESSIONS} SET hint = %s WHERE id = %s", [hint, session_pk])
 
 
 def _one_turn_session(cursor, caller: turns.Caller, interaction_id: str | None) -> uuid.UUID:

@@ -95,6 +95,11 @@ class Session(models.Model):
         db_default="",
         help_text="Why a dropped trajectory was not trained: stale, aborted or human_timeout.",
     )
+    # Self-distillation from feedback (rl_core.hints): a correction in words, from the agent's
+    # /rl/set_reward ``hint``, a person's feedback comment or a judge's critique; the policy
+    # with it in context scores the session's tokens. ``hint_signal``: what that produced.
+    hint = models.TextField(blank=True, default="", db_default="")
+    hint_signal = models.JSONField(null=True, blank=True)
 
     class Meta:
         ordering = ["-created_at"]

@@ -20,6 +20,8 @@ from webapp.gateway.errors import GatewayError, bad_request
 from webapp.gateway.lane import in_lane
 from webapp.gateway.replies import Reply
 
+HINT_MAX_CHARS = 8_000  # a correction in words, not a document
+
 
 async def start_session(
     *, agent_id: str, authorization: str, content_type: str, body: bytes, db=in_lane
@@ -53,7 +55,8 @@ async def start_session(
 async def set_reward(
     *, agent_id: str, authorization: str, content_type: str, body: bytes, db=in_lane
 ) -> Reply:
-    """``POST /rl/set_reward`` ``{"reward": number, "interaction_id"?: str}``."""
+    """``POST /rl/set_reward`` ``{"reward": number, "interaction_id"?: str, "hint"?: str}``
+    (``hint``: a correction in words, the teacher's context in a self-distilling run)."""
     try:
         data = parse_json_body(body, content_type)
         if not isinstance(data, dict):
@@ -78,11 +81,21 @@ async def set_reward(
             raise bad_request(
                 "'interaction_id' must be a string.", param="interaction_id", code="invalid_type"
             )
+        hint = data.get("hint")
+        if hint is not None and not isinstance(hint, str):
+            raise bad_request("'hint' must be a string.", param="hint", code="invalid_type")
+        if hint is not None and len(hint) > HINT_MAX_CHARS:
+            raise bad_request(
+                f"'hint' is {len(hint):,} characters; at most {HINT_MAX_CHARS:,}.",
+                param="hint",
+                code="string_above_max_length",
+            )
         operation = episodes.reward(
             token=_token(authorization),
             agent_id=agent_id,
             reward=float(reward),
             interaction_id=interaction_id,
+            hint=hint,
         )
         return Reply.json(await db(operation))
     except GatewayError as exc:

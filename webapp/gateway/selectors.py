@@ -137,6 +137,8 @@ def session_trajectories(
             trajectories.append((index, trajectory))
     for index, trajectory in trajectories:
         trajectory.session_id = f"{session.id}" if len(sequences) == 1 else f"{session.id}#{index}"
+        if session.hint:  # a self-distilling run's teacher context (rl_core.hints)
+            trajectory.metadata["hint"] = session.hint
     return [trajectory for _, trajectory in trajectories]
 
 

@@ -274,6 +274,10 @@ def _apply(unit, turns, scores: list[float], reasons: list[str], now: datetime) 
                 moved = lifecycle.rewarded_after_end(cursor, request.session_id)
             if moved:
                 Interaction.objects.filter(pk=turn.pk).update(reward=score, rewarded_at=now)
+                if reason.strip():  # the critique, unless the agent or a person gave a hint
+                    Session.objects.filter(pk=request.session_id, hint="").update(
+                        hint=reason.strip()[:2000]
+                    )
             RewardRequest.objects.filter(pk=request.pk).update(
                 state=R.SCORED,
                 score=score,
@@ -356,6 +360,9 @@ def feedback_record(
             locked.trajectory == T.UNREWARDED and locked.status == S.ENDED
         )
         applied = reward is not None and turn is not None and rewardable
+        if comment.strip() and locked.trajectory in (T.PENDING, T.READY, T.UNREWARDED):
+            # A self-distilling run's teacher reads it in context (rl_core.hints).
+            Session.objects.filter(pk=locked.pk).update(hint=comment.strip())
         if applied:
             Interaction.objects.filter(pk=turn.pk).update(reward=reward, rewarded_at=now)  # type: ignore[union-attr]
             if locked.status == S.ENDED and locked.trajectory == T.UNREWARDED:

@@ -442,6 +442,32 @@ def release(request, run: Run):
 
 
 @internal("POST")
+def hint_signals(request, run: Run):
+    """What each session's hint did to its trained tokens (self-distillation, rl_core.hints)."""
+    sessions = _body(request).get("sessions")
+    if not isinstance(sessions, dict) or not all(_is_uuid(k) for k in sessions):
+        raise BadRequest("'sessions' must map session ids to their signals")
+    for value in sessions.values():
+        parts = value.get("trajectories") if isinstance(value, dict) else None
+        if not isinstance(parts, list) or not all(_signal_part(p) for p in parts):
+            raise BadRequest(
+                "each session's 'trajectories' must list {tokens, signal} of equal length"
+            )
+    return JsonResponse({"updated": jobs.job_hint_signals(run=run, sessions=sessions)})
+
+
+def _signal_part(part) -> bool:
+    tokens, signal = (part.get("tokens"), part.get("signal")) if isinstance(part, dict) else (0, 0)
+    return (
+        isinstance(tokens, list)
+        and isinstance(signal, list)
+        and len(tokens) == len(signal)
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in tokens)
+        and all(isinstance(v, int | float) and not isinstance(v, bool) for v in signal)
+    )
+
+
+@internal("POST")
 def episodes(request, run: Run):
     data = _body(request)
     items = data.get("episodes")

@@ -19,6 +19,7 @@ urlpatterns = [
         "release",
         "resume",
         "episodes",
+        "hint_signals",
         "events",
         "watch",
     )

@@ -159,6 +159,16 @@ def job_claim_trajectories(*, run: Run, limit: int, token: str = "") -> list[dic
     return out
 
 
+def job_hint_signals(*, run: Run, sessions: dict[str, dict]) -> int:
+    """Keep what each session's hint did (``Session.hint_signal``) for its page; the run's
+    sessions only."""
+    updated = 0
+    for session_id, value in sessions.items():
+        signal = {"hint": str(value.get("hint") or ""), "trajectories": value["trajectories"]}
+        updated += Session.objects.filter(run=run, pk=session_id).update(hint_signal=signal)
+    return updated
+
+
 def job_take_unrewarded(*, run: Run) -> int:
     """How many of the run's sessions became unscored or dropped since the job last asked."""
     return reward_losses_take(run=run)
