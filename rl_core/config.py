@@ -274,6 +274,11 @@ class RunConfig:
         "On-policy distillation: the teacher's server, which scores every token the student was served (its logprob in the same context); each trained token's advantage gains distill_weight x (teacher logprob - student logprob). Empty: no teacher. Its tokenizer must be the student's.",
         advanced=True,
     )
+    teacher_pool: str = _f(
+        "",
+        "On-policy distillation from a shared inference pool: the pool's base model, served by its servers, is the teacher (instead of teacher_url). Its tokenizer must be the student's.",
+        advanced=True,
+    )
     teacher_api: str = _f(
         "sglang",
         "How to ask teacher_url for logprobs: sglang = /generate with prompt logprobs (SGLang, Steep's torch engine); vllm = vLLM's /inference/v1/generate with prompt_logprobs; openai = an OpenAI-compatible /completions echoing the prompt's logprobs (teacher_url ends in /v1).",
@@ -471,11 +476,15 @@ class RunConfig:
                 "teacher_model",
                 "teacher_api openai needs the model name to send: set teacher_model.",
             )
-        if self.self_distill and self.teacher_url:
-            bad("self_distill", "self_distill's teacher is the policy: leave teacher_url empty.")
+        if self.teacher_url and self.teacher_pool:
+            bad("teacher_pool", "Name one teacher: teacher_url or teacher_pool.")
+        if self.self_distill and (self.teacher_url or self.teacher_pool):
+            bad(
+                "self_distill", "self_distill's teacher is the policy: no teacher_url/teacher_pool."
+            )
         if self.self_distill and "{hint}" not in self.hint_template:
             bad("hint_template", "hint_template must contain {hint}.")
-        if (self.teacher_url or self.self_distill) and not (
+        if (self.teacher_url or self.teacher_pool or self.self_distill) and not (
             self.distill_weight or self.reward_weight
         ):
             bad(

@@ -207,18 +207,24 @@ def make_teacher(
     return SGLangTeacher(url, model=model, http=http)
 
 
-class ServedPolicy:
-    """The run's own policy as a teacher: its inference servers (``urls()``: the current
-    ones, taken in turn), asked by their protocol, under the current LoRA adapter if any."""
+class ServedModel:
+    """A model Steep serves as the teacher: its servers (``urls()``: the current ones, taken in
+    turn), asked by their backend's protocol, under ``adapter()`` if it names one. The run's own
+    policy (self-distillation) or a shared pool's base model (``teacher_pool``)."""
 
     def __init__(
         self,
         urls: Callable[[], list[str]],
         backend: str,
         adapter: Callable[[], str | None] = lambda: None,
+        *,
+        name: str = "",
+        http: httpx.AsyncClient | None = None,
+        refresh: Callable[[], Awaitable[None]] | None = None,
     ):
-        self.name = f"the policy ({backend} servers)"
-        self._urls, self._adapter = urls, adapter
+        self.name = name or f"the policy ({backend} servers)"
+        self._urls, self._adapter, self._http = urls, adapter, http
+        self._refresh = refresh  # after a server could not be reached: look up the current ones
         self._api = "vllm" if backend == "vllm" else "sglang"  # the torch engine speaks SGLang's
         self._teachers: dict[str, Any] = {}
         self._turn = itertools.count()
@@ -226,34 +232,70 @@ class ServedPolicy:
     async def logprobs(self, input_ids: Sequence[int], adapter: str | None = None) -> list[float]:
         urls = self._urls()
         if not urls:
-            raise TeacherError("the run has no inference server to score hints with")
+            raise TeacherError(f"{self.name} has no inference server to score with")
         url = urls[next(self._turn) % len(urls)]
         if url not in self._teachers:
-            self._teachers[url] = make_teacher(url, self._api)
-        return await self._teachers[url].logprobs(input_ids, adapter=adapter or self._adapter())
+            # One screened client for all servers (closed once, by aclose).
+            self._teachers[url] = make_teacher(url, self._api, http=self._http)
+        try:
+            return await self._teachers[url].logprobs(input_ids, adapter=adapter or self._adapter())
+        except httpx.TransportError:
+            if self._refresh is not None:  # a restarted server: the scorer's retry finds it
+                await self._refresh()
+            raise
 
     async def tokenizer_path(self) -> str | None:
-        return None  # the student's own
+        return None  # the student's own, or named by the caller
 
     async def aclose(self) -> None:
-        for teacher in self._teachers.values():
-            await teacher.aclose()
+        if self._http is not None:
+            await self._http.aclose()
+        else:
+            for teacher in self._teachers.values():
+                await teacher.aclose()
         self._teachers.clear()
 
 
-async def connect_teacher(cfg: Any, rules: Any = None) -> TeacherScorer | None:
-    """The run's teacher (``RunConfig.teacher_url``), its tokenizer checked; None without one.
+async def connect_teacher(
+    cfg: Any,
+    rules: Any = None,
+    pool: dict | None = None,
+    pool_lookup: Callable[[], Awaitable[dict]] | None = None,
+) -> TeacherScorer | None:
+    """The run's teacher (``RunConfig.teacher_url``, or ``teacher_pool``'s servers as
+    ``pool`` describes them: ``{"name", "base_model", "servers": [{"url", "backend"}]}``, looked
+    up again by ``pool_lookup`` when one cannot be reached), its tokenizer checked; None
+    without one.
 
     ``rules`` (``rl_core.sources.SourceRules``): every request to the teacher is screened by
     them, and the tokenizer read must be a model directory they allow."""
-    if not cfg.teacher_url:
+    if not (cfg.teacher_url or pool):
         return None
     from rl_core.sources import screened_async_client
 
-    http = screened_async_client(rules, setting="teacher_url") if rules is not None else None
-    teacher = make_teacher(cfg.teacher_url, cfg.teacher_api, model=cfg.teacher_model, http=http)
+    setting = "teacher_url" if cfg.teacher_url else "teacher_pool"
+    http = screened_async_client(rules, setting=setting) if rules is not None else None
+    teacher: Teacher
+    tokenizer = cfg.teacher_tokenizer
+    if pool is not None:
+        servers = [s["url"] for s in pool["servers"]]
+
+        async def refresh() -> None:
+            if pool_lookup is not None:
+                servers[:] = [s["url"] for s in (await pool_lookup())["servers"]]
+
+        teacher = ServedModel(
+            lambda: servers,
+            pool["servers"][0]["backend"],
+            name=f"pool {pool['name']}",
+            http=http,
+            refresh=refresh,
+        )
+        tokenizer = tokenizer or pool["base_model"]
+    else:
+        teacher = make_teacher(cfg.teacher_url, cfg.teacher_api, model=cfg.teacher_model, http=http)
     try:
-        await verify_teacher(teacher, cfg.base_model, cfg.teacher_tokenizer, rules)
+        await verify_teacher(teacher, cfg.base_model, tokenizer, rules)
     except BaseException:
         await teacher.aclose()
         raise

@@ -200,6 +200,7 @@ class PPOTrainer(TrainerSaving):
             # weighted as in every other batch of the run)
             if (
                 cfg.teacher_url
+                or cfg.teacher_pool
                 or cfg.self_distill
                 or any(t.teacher_logprobs is not None for t in batch)
             ):

@@ -116,11 +116,19 @@ class InternalAPI:
     async def pool_servers(self, timeout_s: float, poll_s: float = 2.0) -> list[dict]:
         """The servers (``url``, ``backend``) of the shared pool the run attaches to, once it
         has one up; a ``RuntimeError`` saying why when the pool is down or stays empty."""
+        return (await self._pool_up("pool", timeout_s, poll_s))["servers"]
+
+    async def teacher_pool(self, timeout_s: float = 120.0, poll_s: float = 2.0) -> dict:
+        """The pool that teaches the run (``teacher_pool``), ``{"name", "status", "base_model",
+        "servers"}``, once it has a server up (else a ``RuntimeError`` saying why)."""
+        return await self._pool_up("teacher_pool", timeout_s, poll_s)
+
+    async def _pool_up(self, endpoint: str, timeout_s: float, poll_s: float) -> dict:
         deadline = time.monotonic() + timeout_s
         while True:
-            pool = await self.call("GET", "pool")
+            pool = await self.call("GET", endpoint)
             if pool["servers"]:
-                return pool["servers"]
+                return pool
             if pool["status"] not in ("starting", "running"):
                 raise RuntimeError(
                     f"Inference pool '{pool['name']}' is {pool['status']}: an operator must "

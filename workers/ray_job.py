@@ -117,7 +117,7 @@ def self_teacher(config, run_id: str, loop, weight_sync, backend: str, api: Inte
     """Self-distillation (``rl_core.hints``): the run's servers score each hinted session
     under the current version's weights (or adapter); what the hints did goes to the web app."""
     from rl_core.chat import load_chat_tokenizer
-    from rl_core.distill import ServedPolicy, TeacherScorer
+    from rl_core.distill import ServedModel, TeacherScorer
     from rl_core.hints import HintPlacement
     from rl_core.inference.adapters import current_adapter
 
@@ -130,7 +130,7 @@ def self_teacher(config, run_id: str, loop, weight_sync, backend: str, api: Inte
         )
 
     return TeacherScorer(
-        ServedPolicy(lambda: list(weight_sync.urls), backend, adapter),
+        ServedModel(lambda: list(weight_sync.urls), backend, adapter),
         hints=HintPlacement(
             load_chat_tokenizer(config.base_model), config.hint_position, config.hint_template
         ),
@@ -173,7 +173,9 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
         await api.report_cluster(resources)
         backend = resolve_backend(config.inference_backend, resources)
         needs = check_capacity(config, backend, resources)  # refuse what can never be placed
-        teacher = await connect_teacher(config, rules)  # another tokenizer is refused
+        # Another tokenizer is refused; a teacher pool's servers are waited for.
+        pool = await api.teacher_pool(placement_timeout_s()) if config.teacher_pool else None
+        teacher = await connect_teacher(config, rules, pool, api.teacher_pool)
         env = {"STEEP_TORCH_THREADS": os.environ.get("STEEP_TORCH_THREADS", "1")}
         if os.environ.get(FAILPOINTS):  # chaos tests: the trainer kills itself where told
             env[FAILPOINTS] = os.environ[FAILPOINTS]

@@ -74,6 +74,7 @@ def test_the_run_job_gets_its_pools_servers(client, project, make_pool, make_run
     assert response.json() == {
         "name": "shared",
         "status": "running",  # its first server made it running
+        "base_model": pool.base_model,
         "servers": [{"url": "http://127.0.0.1:9", "backend": "torch"}],
     }
     alone = make_run(project, name="alone", **LORA)

@@ -79,6 +79,20 @@ def pool_attach_errors(*, config: RunConfig) -> dict[str, list[str]]:
     return {"inference_pool": errors} if errors else {}
 
 
+def teacher_pool_errors(*, config: RunConfig) -> dict[str, list[str]]:
+    """Why ``config``'s ``teacher_pool`` cannot teach it (empty: it can, or names none); its
+    tokenizer is checked against the student's when the run's job starts."""
+    name = config.teacher_pool
+    if not name or pool_get(name=name) is not None:
+        return {}
+    return {
+        "teacher_pool": [
+            f"No inference pool is named '{name}'. Pick one of the pools your operators created "
+            "(./steep manage pool_list), or name the teacher's server in teacher_url."
+        ]
+    }
+
+
 def pool_stats(*, pool: Pool) -> dict:
     """What the pool page and the REST detail show: servers, attached runs with their adapter,
     tokens/s and queue depth, and the adapters the servers hold (``serving``)."""

@@ -325,17 +325,27 @@ def servers(request, run: Run):
 @internal("GET")
 def pool(request, run: Run):
     """The shared pool the run attaches to: its status and servers (404 for a run with none)."""
+    return _pool(run.config.get("inference_pool") or "", "attached to an inference pool")
+
+
+@internal("GET")
+def teacher_pool(request, run: Run):
+    """The shared pool whose base model teaches the run (``teacher_pool``), with its model."""
+    return _pool(run.config.get("teacher_pool") or "", "taught by an inference pool")
+
+
+def _pool(name: str, what: str) -> JsonResponse:
     from webapp.pools.models import PoolServer
     from webapp.pools.selectors import pool_get
 
-    name = run.config.get("inference_pool") or ""
     found = pool_get(name=name) if name else None
     if found is None:
-        return _error(404, "this run is not attached to an inference pool")
+        return _error(404, f"this run is not {what}")
     return JsonResponse(
         {
             "name": found.name,
             "status": found.status,
+            "base_model": found.base_model,
             "servers": list(PoolServer.objects.filter(pool=found).values("url", "backend")),
         }
     )

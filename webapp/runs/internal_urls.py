@@ -10,6 +10,7 @@ urlpatterns = [
         "status",
         "servers",
         "pool",
+        "teacher_pool",
         "cluster",
         "metrics",
         "version",

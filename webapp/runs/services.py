@@ -14,7 +14,7 @@ from rl_core.sources import SourceRefused
 from webapp.accounts.models import Project
 from webapp.datasets.models import Dataset
 from webapp.observability import log_status
-from webapp.pools.selectors import pool_attach_errors
+from webapp.pools.selectors import pool_attach_errors, teacher_pool_errors
 from webapp.rewards.secrets import seal_config
 from webapp.runs.events import publish_run_event, status_event
 from webapp.runs.models import Checkpoint, ClusterReport, Run, RunEvent
@@ -88,7 +88,11 @@ def run_create(
         )
     if dataset is not None and dataset.project_id != project.id:
         raise RunInvalid({"dataset": ["Dataset not found."]})
-    if errors := _cluster_errors(config) | pool_attach_errors(config=config):
+    if errors := (
+        _cluster_errors(config)
+        | pool_attach_errors(config=config)
+        | teacher_pool_errors(config=config)
+    ):
         raise RunInvalid(errors)
     run = Run.objects.create(
         project=project,
