@@ -8,12 +8,13 @@ validated in exactly one place. This module imports nothing heavy (no torch).
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from rl_core.config_values import coerce as _coerce
 from rl_core.reward_specs import reward_spec_errors
+from rl_core.tracker_specs import tracker_spec_errors
 
 MODES = ("online", "dataset")
 INFERENCE_BACKENDS = ("auto", "torch", "sglang", "vllm")
@@ -356,6 +357,13 @@ class RunConfig:
     eval_max_examples: int = _f(
         100, "Most held-out examples a scheduled evaluation scores (0: all of them).", min=0
     )
+    # Experiment trackers (rl_core.trackers, docs/trackers.md)
+    trackers: dict = _f(
+        {},
+        'Mirror the run\'s metrics, config, checkpoints and evaluations to experiment trackers, e.g. {"wandb": {"project": "letters"}, "mlflow": {"tracking_uri": "https://mlflow.example.com"}, "tensorboard": {}}; false turns off one the instance turns on (STEEP_TRACKERS). Credentials (wandb.api_key, mlflow.tracking_token) are stored encrypted and never shown again. A tracker that fails is turned off for the rest of the run, which goes on. See docs/trackers.md.',
+        advanced=True,
+        placeholder='{"tensorboard": {}}',
+    )
 
     @classmethod
     def field_specs(cls) -> list[dataclasses.Field]:
@@ -491,6 +499,8 @@ class RunConfig:
                 "distill_weight",
                 "distill_weight and reward_weight are both 0: nothing would train.",
             )
+        for message in tracker_spec_errors(self.trackers):
+            bad("trackers", message)
         if errors:
             raise ConfigError(errors)
 
@@ -522,74 +532,6 @@ def stored_setting(config: Mapping[str, Any], name: str) -> Any:
 
 def _default(f: dataclasses.Field) -> Any:
     return f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc,operator]
-
-
-def _coerce(f: dataclasses.Field, value: Any) -> Any:
-    """Check one field's value against its declared type and bounds; raise ValueError with a fix."""
-    meta = f.metadata
-    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-    optional = "None" in kind
-    if value is None or (optional and value == ""):
-        if optional:
-            return None
-        raise ValueError(f"{f.name} cannot be empty; the default is {f.default!r}.")
-    base = kind.replace(" | None", "").strip()
-    if base == "bool":
-        if isinstance(value, bool):
-            return value
-        raise ValueError(f"{f.name} must be true or false; got {value!r}.")
-    if base == "int":
-        if isinstance(value, bool) or not isinstance(value, int):
-            if isinstance(value, float) and value.is_integer():
-                value = int(value)
-            else:
-                raise ValueError(f"{f.name} must be a whole number; got {value!r}.")
-        _check_bounds(f.name, value, meta)
-        return value
-    if base == "float":
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"{f.name} must be a number; got {value!r}.")
-        value = float(value)
-        if not math.isfinite(value):
-            raise ValueError(f"{f.name} must be a finite number.")
-        _check_bounds(f.name, value, meta)
-        return value
-    if base == "str":
-        if meta.get("ids") and isinstance(value, int) and not isinstance(value, bool):
-            value = str(value)  # an object's id, given as a number
-        if not isinstance(value, str):
-            raise ValueError(f"{f.name} must be a string; got {type(value).__name__}.")
-        choices = meta.get("choices")
-        if choices and value not in choices:
-            raise ValueError(f"{f.name} must be one of {', '.join(choices)}; got {value!r}.")
-        return value
-    if base == "list":
-        if isinstance(value, str):  # "q_proj, v_proj" from a form or a shell
-            value = [part.strip() for part in value.split(",") if part.strip()]
-        if not isinstance(value, list) or not all(isinstance(v, str) and v.strip() for v in value):
-            raise ValueError(
-                f'{f.name} must be a list of names, e.g. ["q_proj", "v_proj"]; got {value!r}.'
-            )
-        return [v.strip() for v in value]
-    if base == "dict":
-        if not isinstance(value, dict):
-            raise ValueError(f"{f.name} must be a JSON object; got {type(value).__name__}.")
-        return value
-    raise ValueError(f"{f.name} has an unsupported type {kind}.")  # pragma: no cover
-
-
-def _check_bounds(name: str, value: float, meta: Any) -> None:
-    low, high = meta.get("min"), meta.get("max")
-    if low is not None:
-        if meta.get("min_exclusive") and value <= low:
-            raise ValueError(f"{name} must be greater than {low}; got {value}.")
-        if value < low:
-            raise ValueError(f"{name} must be at least {low}; got {value}.")
-    if high is not None:
-        if meta.get("max_exclusive") and value >= high:
-            raise ValueError(f"{name} must be less than {high}; got {value}.")
-        if value > high:
-            raise ValueError(f"{name} must be at most {high}; got {value}.")
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(RunConfig)}

@@ -13,6 +13,7 @@ from urllib.parse import urlsplit
 
 from django.core.exceptions import ImproperlyConfigured
 
+from rl_core.tracker_specs import parse_instance_trackers
 from webapp.env import database_from_url, envbool, envint, envlist, envsecret, envstr
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -254,6 +255,14 @@ for _module in STEEP_REWARD_MODULES:
         raise ImproperlyConfigured(
             f"STEEP_REWARD_MODULES: {_module!r} is not a module name; use e.g. mycorp.rewards."
         )
+# Experiment trackers every run mirrors to unless its `trackers` setting turns them off, and
+# the credentials they use when a run gives none (docs/trackers.md).
+try:
+    STEEP_TRACKERS = parse_instance_trackers(envstr("STEEP_TRACKERS"))
+except ValueError as _exc:
+    raise ImproperlyConfigured(str(_exc)) from None
+STEEP_WANDB_API_KEY = envsecret("STEEP_WANDB_API_KEY")
+STEEP_MLFLOW_TRACKING_TOKEN = envsecret("STEEP_MLFLOW_TRACKING_TOKEN")
 # Networks (CIDR) and host names a tenant's judge URL may reach although they are loopback,
 # private, link-local or this instance's own. Embedded default (DEBUG): the loopback only.
 STEEP_OUTBOUND_ALLOW = envlist(

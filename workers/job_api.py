@@ -175,6 +175,10 @@ class InternalAPI:
         and answers ``{"released", "rewound", "accepted", "dropped", "rows_used", "message"}``."""
         return await self.call("POST", "resume", {"step": step, "version": version})
 
+    async def evals(self) -> list[dict]:
+        """The run's finished evaluations: ``{"id", "step", "values": {name: number}}``."""
+        return (await self.call("GET", "evals"))["evals"]
+
     async def watch_status(self, unchanged: str, wait_s: float = LONG_POLL_S) -> str:
         """The run's status, once it is not ``unchanged`` or after up to ``wait_s`` (long-poll)."""
         response = await self.call("GET", f"watch?while={unchanged}&wait_s={wait_s:g}")

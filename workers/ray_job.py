@@ -36,6 +36,8 @@ from rl_core.config import RunConfig
 from rl_core.distill import TeacherError
 from rl_core.failpoints import ENV as FAILPOINTS
 from rl_core.sources import SourceRules, config_source_errors, errors_text
+from rl_core.tracker_specs import tracker_params
+from rl_core.trackers import TrackingReporter, make_trackers
 from workers.capacity import CapacityError, check_capacity, placement_timeout_s, resolve_backend
 from workers.job_api import InternalAPI, WebEpisodeSink, WebReporter, WebSource, job_arguments
 from workers.replicas import InferenceReplica, ray_options
@@ -45,6 +47,7 @@ STOP_POLL_S = 2.0
 SERVER_WATCH_S = 2.0  # how often the job checks that its inference servers still run
 SERVER_START_TIMEOUT_S = float(os.environ.get("STEEP_SERVER_START_TIMEOUT", "600"))
 SERVER_MAX_RESTART_FAILURES = 3
+EVAL_POLL_S = 10.0  # how often a run with trackers asks for its finished evaluations
 
 
 class SourcesRefused(RuntimeError):
@@ -113,6 +116,24 @@ async def watch_servers(
             )
 
 
+async def mirror_evals(api: InternalAPI, tracking: TrackingReporter, seen: set[str]) -> None:
+    """Hand the trackers each evaluation of the run as it finishes, asking every
+    ``EVAL_POLL_S`` until cancelled."""
+    while True:
+        try:
+            await mirror_evals_once(api, tracking, seen)
+        except Exception as exc:  # the mirror never fails the run; asked again next time
+            logger.warning("could not fetch the run's evaluations for its trackers: %s", exc)
+        await asyncio.sleep(EVAL_POLL_S)
+
+
+async def mirror_evals_once(api: InternalAPI, tracking: TrackingReporter, seen: set[str]) -> None:
+    for evaluation in sorted(await api.evals(), key=lambda e: e["step"]):
+        if evaluation["id"] not in seen:
+            seen.add(evaluation["id"])
+            await tracking.evaluation(evaluation["step"], evaluation["values"])
+
+
 def self_teacher(config, run_id: str, loop, weight_sync, backend: str, api: InternalAPI):
     """Self-distillation (``rl_core.hints``): the run's servers score each hinted session
     under the current version's weights (or adapter); what the hints did goes to the web app."""
@@ -158,6 +179,8 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
     replicas: list = []
     keeper: asyncio.Task | None = None  # watch_servers: restarts a server that exited
     urls: list[str] = []
+    tracking: TrackingReporter | None = None
+    evals_task: asyncio.Task | None = None
     try:
         info = await api.config()
         config = RunConfig.from_dict(info["config"])
@@ -224,7 +247,15 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
             if config.mode == "dataset"
             else None
         )
-        reporter = WebReporter(api)
+        # Mirrors metrics, config and checkpoints to the run's experiment trackers, if any.
+        reporter = tracking = TrackingReporter(
+            WebReporter(api),
+            make_trackers(info.get("trackers") or {}, run_id, info.get("name", run_id), data_dir),
+        )
+        await tracking.start(tracker_params(config.to_dict()))
+        mirrored: set[str] = set()  # evaluations already handed to the trackers
+        if tracking.trackers:
+            evals_task = asyncio.create_task(mirror_evals(api, tracking, mirrored))
         source = WebSource(api)
         if controller is not None:  # judge/human episodes that are never rewarded give slots back
             source.on_unrewarded = controller.on_unrewarded
@@ -341,6 +372,11 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
             driver.stop()
             driver_task.cancel()
         final = "stopped" if summary.stopped else "completed"
+        if evals_task is not None:  # and the evaluations finished since it last asked
+            evals_task.cancel()
+            with contextlib.suppress(Exception):
+                await mirror_evals_once(api, tracking, mirrored)
+        await tracking.close(final)
         await api.status(
             final, message=f"Training {final} at step {summary.step} (version {summary.version})."
         )
@@ -399,6 +435,10 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
                 pass
         if trainer is not None:
             await asyncio.to_thread(trainer.close)
+        if evals_task is not None:
+            evals_task.cancel()
+        if tracking is not None:  # a no-op after a clean end
+            await tracking.close("failed")
         await api.aclose()
 
 

@@ -73,7 +73,9 @@ def _form_field(spec) -> forms.Field:
             required=False,
             initial="",
             help_text=help_text,
-            widget=forms.TextInput(attrs={"placeholder": '{"type": "exact_match"}'}),
+            widget=forms.TextInput(
+                attrs={"placeholder": spec.metadata.get("placeholder", '{"type": "exact_match"}')}
+            ),
         )
     return forms.CharField(required=required, initial=default, help_text=help_text)
 
@@ -161,11 +163,12 @@ class RunForm(forms.Form):
             if spec.name not in cleaned:
                 continue
             value = cleaned[spec.name]
-            if spec.name == "reward":
+            if spec.type == "dict":  # reward, trackers: JSON objects
                 try:
                     value = json.loads(value) if value else {}
                 except ValueError:
-                    self.add_error("reward", 'Enter a JSON object, e.g. {"type": "exact_match"}.')
+                    example = spec.metadata.get("placeholder", '{"type": "exact_match"}')
+                    self.add_error(spec.name, f"Enter a JSON object, e.g. {example}.")
                     continue
             if value is None and spec.default is not None and "None" not in str(spec.type):
                 continue

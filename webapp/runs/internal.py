@@ -39,6 +39,7 @@ from webapp.runs import jobs
 from webapp.runs.models import Run
 from webapp.runs.services import IllegalTransition
 from webapp.runs.sources import run_sourced, source_rules
+from webapp.runs.trackers import job_trackers
 
 
 class BadRequest(Exception):
@@ -255,6 +256,7 @@ def config(request, run: Run):
             "status": run.status,
             "config": settings_,
             "source_errors": refused,
+            "trackers": job_trackers(run),  # credentials decrypted: for the job alone
             "sources": source_rules(unrestricted=run.sources_unrestricted).to_dict(),
             "step": run.step,
             "weight_version": run.weight_version,
@@ -495,6 +497,26 @@ def events(request, run: Run):
     data = _body(request)
     jobs.job_event(run=run, kind=_str(data, "kind", "job"), message=_str(data, "message"))
     return JsonResponse({"ok": True})
+
+
+@internal("GET")
+def evals(request, run: Run):
+    """The run's finished evaluations and their numbers, which the job mirrors to its trackers
+    (``rl_core.trackers``)."""
+    from webapp.evals.models import Eval
+    from webapp.evals.selectors import eval_list
+
+    done = eval_list(run=run).filter(status=Eval.Status.DONE)
+    return JsonResponse(
+        {"evals": [{"id": str(e.id), "step": e.step} | _eval_numbers(e) for e in done]}
+    )
+
+
+def _eval_numbers(evaluation) -> dict[str, float]:
+    names = ("examples", "mean_reward", "mean_reward_low", "mean_reward_high")
+    names += ("pass_at_k", "pass_at_k_low", "pass_at_k_high")
+    values = {name: getattr(evaluation, name) for name in names}
+    return {"values": {name: float(v) for name, v in values.items() if v is not None}}
 
 
 @internal("POST")

@@ -23,5 +23,6 @@ urlpatterns = [
         "hint_signals",
         "events",
         "watch",
+        "evals",
     )
 ]
