@@ -129,39 +129,35 @@ def test_run_page_leads_with_progress_and_lays_charts_out_in_panels(
     page.wait_for_selector(f"{chart('rollout/reward')} canvas")
     summary = page.locator("#run-status").inner_text()
     assert "step 60 / 100" in summary
-    # 40 steps left at 7 s a step, from the server and again from the page's own data.
-    assert page.locator('[data-live="eta"]').inner_text() == "ETA 4 min 40 s"
+    # An online run: its pace (a step every 7 s, 32 trajectories a step), not an ETA.
+    assert page.locator('[data-live="pace"]').inner_text() == "8.6 steps/min · 274 trajectories/min"
+    assert page.locator('[data-live="eta"]').inner_text() == ""
     assert page.get_attribute("#run-progress", "value") == "60"
 
-    # The reward and eval charts lead, side by side; the rest are panels in a grid.
+    # The reward and eval charts lead, side by side; the key panels follow in a row.
     reward, evals = box(page, chart("rollout/reward")), box(page, chart("eval/accuracy"))
     assert reward["y"] == evals["y"] and evals["x"] > reward["x"] + reward["width"] / 2
     assert reward["y"] < 600  # above the fold
-    titles = page.locator(".panel h4").all_inner_texts()
-    assert [t.lower() for t in titles] == [
-        "reward",
-        "policy / ppo",
-        "staleness",
-        "weight sync",  # timing/weight_sync: what each update moved and stalled (issue #14)
-        "throughput / system",
-        "other",
-    ]
-    first, second = page.locator('.panel[data-panel="policy"] .chart').all()[:2]
+    first, second = page.locator("#key-charts .chart").all()[:2]
     a, b = first.bounding_box(), second.bounding_box()
     assert a["y"] == b["y"] and b["x"] >= a["x"] + a["width"]
-    assert page.locator(f'.panel[data-panel="other"] {chart("custom/my_signal")}').count() == 1
-    assert page.locator(f'.panel[data-panel="system"] {chart("sessions/open")}').count() == 1
+    # The rest is folded, one group per metric-name prefix (tests/browser/test_run_page_browser.py).
+    titles = page.locator(".metric-group .group-title").all_inner_texts()
+    assert titles == ["Rollout", "Policy (PPO)", "Staleness", "Throughput", "Timing", "Sessions", "Custom"]  # fmt: skip
+    assert (
+        page.locator(f'.metric-group[data-group="custom"] {chart("custom/my_signal")}').count() == 1
+    )
 
     # The latest-values table is there, folded.
     assert page.locator("#latest-values").get_attribute("open") is None
     assert page.locator("#metrics-table tbody tr").count() == len(metrics_at(60, with_eval=True))
 
-    # Legends read the latest value; constant and all-zero series get a range around it.
-    head = page.locator(f"{chart('rollout/num_trajectories')} .chart-value").inner_text()
-    assert head == "32 step 60"
-    assert page.get_attribute(chart("staleness/dropped"), "data-y-range") == "-0.5,0.5"
-    low, high = map(float, page.get_attribute(chart("ppo/lr"), "data-y-range").split(","))
-    assert low == pytest.approx(0.9e-6) and high == pytest.approx(1.1e-6)
+    # Legends read the latest value; constant and all-zero series are one line with it.
+    head = page.locator(f"{chart('ppo/approx_kl')} .chart-value").text_content()
+    assert " ".join(head.split()) == "0.001398 step 60"
+    page.click('.metric-group[data-group="sessions"] summary')
+    line = page.locator('.constant[data-metric="sessions/open"]').text_content()
+    assert " ".join(line.split()) == "sessions/open: 12 (constant)"
 
 
 def test_run_page_charts_smooth_and_switch_to_a_time_axis(

@@ -57,7 +57,7 @@ def test_the_evaluate_form_queues_evals_that_the_section_polls(
     assert 'hx-trigger="every 3s"' in section[: section.index(">")]
     assert "base model" in section and "step 3" in section
     fragment = member_client.get(f"{run_url(run)}evals/", **HTMX).content.decode()
-    assert fragment.startswith('<section class="card wide" id="run-evals"')
+    assert fragment.startswith('<section id="run-evals"')
 
 
 def test_the_evaluate_form_refuses_with_the_reason(member_client, world):
@@ -150,6 +150,6 @@ def test_the_checkpoint_list_polls_while_an_export_runs(member_client, outsider_
     assert "exporting…" in section
     Checkpoint.objects.filter(pk=checkpoint.pk).update(export_status="done", export_path="/y")
     fragment = member_client.get(f"{run_url(run)}checkpoints/", **HTMX).content.decode()
-    assert fragment.startswith('<section class="card" id="run-checkpoints"')
+    assert fragment.startswith('<section id="run-checkpoints"')
     assert "Download (zip)" in fragment and "hx-trigger" not in fragment
     assert outsider_client.get(f"{run_url(run)}checkpoints/", **HTMX).status_code == 404

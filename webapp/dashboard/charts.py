@@ -1,81 +1,127 @@
-"""The run page's charts and progress line: which metric goes in which panel, the data the
-page starts from, and the ETA. Pure functions over the run's metric points; static/run_live.js
-draws the charts and keeps them live with the same panel rules (sent to it as JSON)."""
+"""The run page's charts and progress line: which metric goes where (the headline, the key
+panels, a folded group), the data the page starts from, and the ETA or pace. Pure functions
+over the run's metric points; static/run_live.js draws the charts and keeps them live with the
+same rules (sent to it as JSON by ``client_config``)."""
 
 from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 
 HEADLINE = "rollout/reward"  # drawn large at the top, beside any eval/ metrics
 EVAL_PREFIX = "eval/"
-# (panel id, title, metric-name prefixes), in page order; anything else goes to "Other".
-PANELS: list[tuple[str, str, tuple[str, ...]]] = [
-    ("reward", "Reward", ("rollout/",)),
-    ("policy", "Policy / PPO", ("ppo/", "loss/")),
-    # The engines' logprobs against the trainer's recomputation (rl_core.correction).
-    ("correction", "Rollout correction", ("correction/",)),
-    # On-policy distillation's teacher (rl_core.distill): its calls, latency, reverse KL.
-    ("distill", "Distillation", ("distill/", "timing/teacher")),
-    ("staleness", "Staleness", ("staleness/",)),
-    # Before "system", which takes every other timing/: what each weight update moved and
-    # how long it held inference up (rl_core.weight_sync, rl_core.adapter_sync).
-    (
-        "sync",
-        "Weight sync",
-        ("weight_sync/", "timing/weight_", "timing/inference_stall", "timing/save_weights"),
-    ),
-    ("system", "Throughput / System", ("perf/", "timing/", "sessions/", "system/")),
-]
-OTHER = ("other", "Other")
+# The handful of panels that say how training goes, right under the reward, in this order
+# (those the run reports): how far each update moves the policy (KL, clipped share; a
+# distillation run's reverse KL to its teacher), how old the trained samples are, throughput
+# and the step's wall time. A person can pin more (run_live.js keeps pins in localStorage).
+KEY_METRICS = (
+    "ppo/approx_kl",
+    "ppo/clip_frac",
+    "distill/reverse_kl",
+    "staleness/mean",
+    "perf/tokens_per_s",
+    "timing/step",
+)
+# Counters that grow with the step: drawn against the step they are a diagonal line, so they
+# are only in the latest-values table.
+NOT_PLOTTED = ("step", "version", "staleness/version", "eval/step")
+# The rest is folded by group: the metric name's prefix (``ppo/clip_frac`` → ``ppo``). Known
+# prefixes get a title and come first, in this order; others follow by name (titled by their
+# prefix, ``my_tool/`` → "My tool"), then names without a prefix ("other").
+GROUPS: dict[str, str] = {
+    "rollout": "Rollout",
+    "ppo": "Policy (PPO)",
+    "loss": "Loss",
+    "correction": "Rollout correction",  # rl_core.correction: engine vs trainer logprobs
+    "distill": "Distillation",  # rl_core.distill: the teacher's calls, latency, reverse KL
+    "staleness": "Staleness",
+    "weight_sync": "Weight sync",
+    "perf": "Throughput",
+    "timing": "Timing",
+    "sessions": "Sessions",
+    "system": "System",
+}
+OTHER_GROUP = ("other", "Other")
 # Chart points per metric a run page starts with: above this many steps, each point is the
 # mean of a bucket of steps (webapp.runs.selectors.metric_points); live points come per step.
 CHART_MAX_POINTS = 1000
 ETA_WINDOW = 10  # step intervals the ETA averages over (their median: a pause does not skew it)
+# max_steps at or above this is "until stopped" (the online demo's 1,000,000): no bar, no ETA.
+UNBOUNDED_STEPS = 1_000_000
+# An ETA further out than this is no forecast either: the page shows the pace instead.
+ETA_HORIZON_S = 30 * 24 * 3600
 
 
 @dataclass
-class Panel:
+class Group:
     id: str
     title: str
-    metrics: list[str] = field(default_factory=list)
+    charts: list[str] = field(default_factory=list)  # series that vary
+    constants: list[tuple[str, str]] = field(default_factory=list)  # (name, value) of the rest
 
 
 @dataclass
 class ChartLayout:
     headline: list[str]  # rollout/reward, then eval/ metrics; empty before the first step
-    panels: list[Panel]  # only panels that have metrics
+    key: list[str]  # KEY_METRICS the run reports, in that order
+    groups: list[Group]  # only groups that have metrics
 
 
-def panel_of(name: str) -> tuple[str, str]:
-    for panel_id, title, prefixes in PANELS:
-        if name.startswith(prefixes):
-            return panel_id, title
-    return OTHER
+def group_of(name: str) -> tuple[str, str]:
+    """``(id, title)`` of the folded group ``name`` goes in: its prefix before the first ``/``."""
+    if "/" not in name:
+        return OTHER_GROUP
+    prefix = name.split("/", 1)[0]
+    return prefix, GROUPS.get(prefix) or prefix.replace("_", " ").capitalize()
 
 
-def chart_layout(names: Iterable[str]) -> ChartLayout:
-    names = sorted(set(names))
+def _group_order(group_id: str) -> tuple[int, int, str]:
+    if group_id in GROUPS:
+        return 0, list(GROUPS).index(group_id), ""
+    return (2, 0, "") if group_id == OTHER_GROUP[0] else (1, 0, group_id)
+
+
+def is_constant(values: Sequence[float]) -> bool:
+    """Every value the same (to a part in a billion: the stored values are rounded)."""
+    return bool(values) and max(values) - min(values) <= abs(max(values)) * 1e-9
+
+
+def chart_layout(series: Mapping[str, Sequence[Sequence[float]]]) -> ChartLayout:
+    """Where each metric of ``series`` (``{name: [steps, values]}``, as ``series()`` returns)
+    goes: the headline, the key panels, or its folded group, as a chart or, for a series that
+    never changed, as one line with its value."""
+    names = sorted(set(series) - set(NOT_PLOTTED))
     headline = [HEADLINE] if HEADLINE in names else []
     headline += [n for n in names if n.startswith(EVAL_PREFIX)]
-    panels: dict[str, Panel] = {}
-    for panel_id, title in [(p[0], p[1]) for p in PANELS] + [OTHER]:
-        panels[panel_id] = Panel(panel_id, title)
+    key = [n for n in KEY_METRICS if n in names]
+    groups: dict[str, Group] = {}
     for name in names:
-        if name not in headline:
-            panels[panel_of(name)[0]].metrics.append(name)
-    return ChartLayout(headline, [p for p in panels.values() if p.metrics])
+        if name in headline or name in key:
+            continue
+        group = groups.setdefault(group_of(name)[0], Group(*group_of(name)))
+        values = list(series[name][1])
+        if is_constant(values):
+            group.constants.append((name, f"{values[-1]:.4g}"))
+        else:
+            group.charts.append(name)
+    return ChartLayout(headline, key, [groups[g] for g in sorted(groups, key=_group_order)])
 
 
 def client_config() -> dict:
-    """The panel rules for run_live.js, so charts of metrics first seen live land in the same place."""
+    """The layout rules for run_live.js, so metrics first seen live land in the same place."""
     return {
         "headline": HEADLINE,
         "evalPrefix": EVAL_PREFIX,
-        "panels": [{"id": i, "title": t, "prefixes": list(p)} for i, t, p in PANELS],
-        "other": {"id": OTHER[0], "title": OTHER[1]},
+        "key": list(KEY_METRICS),
+        "notPlotted": list(NOT_PLOTTED),
+        "groups": [{"id": i, "title": t} for i, t in GROUPS.items()],
+        "other": {"id": OTHER_GROUP[0], "title": OTHER_GROUP[1]},
+        "etaWindow": ETA_WINDOW,
+        "etaHorizon": ETA_HORIZON_S,
+        "unboundedSteps": UNBOUNDED_STEPS,
     }
 
 
@@ -110,30 +156,60 @@ def chart_stride(last_step: int) -> int:
 
 
 @dataclass
+class Pace:
+    steps_per_min: float
+    trajectories_per_min: float | None  # None when the run reports no rollout/num_trajectories
+
+
+@dataclass
 class Progress:
     step: int
-    max_steps: int | None
-    percent: float | None  # 0-100, None without max_steps
-    eta_s: float | None  # None unless running with a measured pace
+    max_steps: int | None  # None when there is no end in reach (UNBOUNDED_STEPS): no bar
+    percent: float | None  # 0-100, None without a bounded max_steps
+    eta_s: float | None  # a dataset run's time to max_steps, while it runs at a measured pace
+    pace: Pace | None  # instead of the ETA: an online run's, or one whose end is out of reach
+    running_s: float | None  # since the run started, while it runs
 
 
-def progress(*, step: int, max_steps: int | None, status: str, step_times) -> Progress:
-    """How far the run is and, while it runs, when it should finish.
+def progress(
+    *,
+    step: int,
+    max_steps: int | None,
+    status: str,
+    step_times,
+    mode: str = "dataset",
+    trajectories: Sequence[float] = (),
+    started_at: datetime | None = None,
+    now: datetime | None = None,
+) -> Progress:
+    """How far the run is and, while it runs, when it should finish or how fast it goes.
 
-    ETA = steps left × the median of the last ``ETA_WINDOW`` intervals between consecutive
-    steps (``step_times`` as ``[(step, unix seconds), ...]``); run_live.js computes the same
-    from the live points.
+    pace = the median of the last ``ETA_WINDOW`` intervals between consecutive steps
+    (``step_times`` as ``[(step, unix seconds), ...]``); ETA = steps left × pace. An online
+    run trains on whatever its agents send, so it has no forecast: it shows steps/min,
+    trajectories/min (steps/min × the mean of ``trajectories``, the recent steps'
+    ``rollout/num_trajectories``) and how long it has run; so does a run whose max_steps is out
+    of reach (``UNBOUNDED_STEPS``, or an ETA beyond ``ETA_HORIZON_S``). run_live.js computes
+    the same from the live points.
     """
-    percent = None
-    if max_steps:
-        percent = round(min(100.0, 100.0 * step / max_steps), 1)
-    eta = None
+    end = max_steps if max_steps and max_steps < UNBOUNDED_STEPS else None
+    percent = round(min(100.0, 100.0 * step / end), 1) if end else None
     recent = sorted(step_times)[-(ETA_WINDOW + 1) :]
     paces = [
         (t1 - t0) / (s1 - s0)
         for (s0, t0), (s1, t1) in zip(recent, recent[1:], strict=False)
         if s1 > s0
     ]
-    if status == "running" and max_steps and paces and step < max_steps:
-        eta = (max_steps - step) * statistics.median(paces)
-    return Progress(step, max_steps, percent, eta)
+    step_s = statistics.median(paces) if paces else None
+    running = status == "running"
+    eta = pace = None
+    if running and step_s and end and step < end:
+        eta = (end - step) * step_s
+    if running and step_s and (mode == "online" or not end or (eta or 0) > ETA_HORIZON_S):
+        per_min = 60.0 / step_s
+        per_step = statistics.fmean(trajectories) if trajectories else None
+        pace, eta = Pace(per_min, per_min * per_step if per_step is not None else None), None
+    running_s = None
+    if running and started_at is not None:
+        running_s = max(0.0, ((now or datetime.now(UTC)) - started_at).total_seconds())
+    return Progress(step, end, percent, eta, pace, running_s)

@@ -60,6 +60,7 @@ from webapp.runs.selectors import (
     checkpoint_get,
     known_models,
     metric_latest,
+    metric_list,
     metric_points,
     metric_step_times,
     project_checkpoint_list,
@@ -290,8 +291,6 @@ def run_new(request, project_id):
 def run_detail(request, project_id, run_id):
     project = _project(request, project_id)
     run = run_get(project=project, run_id=run_id)
-    max_steps = run.config.get("max_steps")
-    step_times = metric_step_times(run=run, last=charts.ETA_WINDOW + 1)
     context = {
         "project": project,
         "tab": "runs",
@@ -300,9 +299,7 @@ def run_detail(request, project_id, run_id):
         "ledger": run_ledger_for_page(run),
         "restart": run_last_restart(run=run),
         "admission": admission_state(run),
-        "progress": charts.progress(
-            step=run.step, max_steps=max_steps, status=run.status, step_times=step_times
-        ),
+        "progress": _run_progress(run),
     }
     if _wants_fragment(request) and request.GET.get("panel") == "rewards":  # polled, as below
         context["rewards"] = reward_summary(run=run)
@@ -311,9 +308,10 @@ def run_detail(request, project_id, run_id):
         return render(request, "dashboard/_run_status.html", context)
     stride = charts.chart_stride(run.step)
     data = charts.series(metric_points(run=run, stride=stride))
+    rules = {"config": charts.client_config(), "maxSteps": run.config.get("max_steps")}
     context |= {
         "layout": charts.chart_layout(data["series"]),
-        "chart_data": data | {"config": charts.client_config(), "maxSteps": max_steps},
+        "chart_data": data | rules | {"mode": run.mode},
         "chart_stride": stride,
         "latest_metrics": charts.latest_values(metric_latest(run=run)),
         "agents": agent_list(project=project, run_id=run.id),
@@ -323,6 +321,25 @@ def run_detail(request, project_id, run_id):
     }
     context |= checkpoint_views.checkpoints_context(run=run) | eval_views.evals_context(run=run)
     return render(request, "dashboard/run_detail.html", context)
+
+
+def _run_progress(run) -> charts.Progress:
+    """The status line's step, bar and ETA (or pace: steps/min, trajectories/min)."""
+    step_times = metric_step_times(run=run, last=charts.ETA_WINDOW + 1)
+    trajectories: list[float] = []
+    if step_times and run.status == "running":  # the pace's trajectories per step
+        since = step_times[0][0] - 1
+        recent = metric_list(run=run, name="rollout/num_trajectories", since_step=since)
+        trajectories = list(recent.values_list("value", flat=True))
+    return charts.progress(
+        step=run.step,
+        max_steps=run.config.get("max_steps"),
+        status=run.status,
+        step_times=step_times,
+        mode=run.mode,
+        trajectories=trajectories,
+        started_at=run.started_at,
+    )
 
 
 @login_required

@@ -1,4 +1,4 @@
-"""Template filters for times: relative in the text, absolute on hover (``title``)."""
+"""Template filters for times and paces: relative in the text, absolute on hover (``title``)."""
 
 from __future__ import annotations
 
@@ -56,3 +56,11 @@ def duration(seconds: float | None) -> str:
         return f"{minutes} min {seconds:02d} s"
     hours, minutes = divmod(minutes, 60)
     return f"{hours} h {minutes:02d} min"
+
+
+@register.filter
+def rate(value: float | None) -> str:
+    """``12.4``, ``3``, ``1250``: a per-minute pace, one decimal below 100 (as run_live.js)."""
+    if value is None:
+        return ""
+    return f"{value:.0f}" if value >= 100 else f"{value:.1f}".removesuffix(".0")
