@@ -108,7 +108,7 @@ def test_run_page_shows_metrics_checkpoints_and_history(member_client, objects):
     html = member_client.get(PAGES["run"](objects)).content.decode()
     assert "rollout/reward" in html and "0.7500" in html
     assert "created" in html  # the history
-    assert ">2<" in html  # checkpoint version
+    assert ">v2<" in html  # checkpoint version
 
 
 def test_project_root_redirects_to_its_runs(member_client, outsider_client, project):

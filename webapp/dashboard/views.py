@@ -60,9 +60,9 @@ from webapp.runs.selectors import (
     checkpoint_get,
     known_models,
     metric_latest,
-    metric_list,
     metric_points,
     metric_step_times,
+    metric_values,
     project_checkpoint_list,
     run_event_list,
     run_get,
@@ -329,8 +329,7 @@ def _run_progress(run) -> charts.Progress:
     trajectories: list[float] = []
     if step_times and run.status == "running":  # the pace's trajectories per step
         since = step_times[0][0] - 1
-        recent = metric_list(run=run, name="rollout/num_trajectories", since_step=since)
-        trajectories = list(recent.values_list("value", flat=True))
+        trajectories = metric_values(run=run, name="rollout/num_trajectories", since_step=since)
     return charts.progress(
         step=run.step,
         max_steps=run.config.get("max_steps"),

@@ -52,6 +52,12 @@ def metric_list(
     return points.order_by("step", "name")
 
 
+def metric_values(*, run: Run, name: str, since_step: int) -> list[float]:
+    """The values of one metric after ``since_step``, in step order."""
+    points = metric_list(run=run, name=name, since_step=since_step)
+    return list(points.values_list("value", flat=True))
+
+
 def metric_points(*, run: Run, stride: int = 1) -> list[tuple[int, str, float, datetime]]:
     """The run's metric points as ``(step, name, value, created_at)``, in step order.
 
