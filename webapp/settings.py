@@ -162,6 +162,8 @@ STORAGES = {
     "staticfiles": {"BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"},
 }
 WHITENOISE_USE_FINDERS = True
+# The docs site: mkdocs.yml builds docs/ into it (./steep up and the image do), served at /docs/.
+DOCS_SITE_DIR = BASE_DIR / "site"
 
 # Request bodies. Datasets have their own, larger limit; everything else is JSON.
 MAX_REQUEST_BYTES = envint("MAX_REQUEST_BYTES", 16 * 1024 * 1024, minimum=1024)
