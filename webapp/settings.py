@@ -347,18 +347,30 @@ REST_FRAMEWORK = {
     "DEFAULT_PAGINATION_CLASS": "webapp.api.pagination.Pagination",
     "PAGE_SIZE": 50,
     "EXCEPTION_HANDLER": "webapp.api.errors.exception_handler",
-    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "DEFAULT_SCHEMA_CLASS": "webapp.api.schema.AutoSchema",
     "UNAUTHENTICATED_USER": "django.contrib.auth.models.AnonymousUser",
 }
 SPECTACULAR_SETTINGS = {
     "TITLE": "Steep API",
-    "DESCRIPTION": "Projects, keys, datasets, runs and agents of a Steep deployment. Authenticate with `Authorization: Bearer sk-steep-...`.",
+    "DESCRIPTION": (
+        "[← Back to the dashboard](/) · [Documentation](/docs/)\n\n"
+        "**Agent gateway** (first below): what an agent calls on its `base_url`, "
+        "`/agents/{agent_id}/v1`: chat completions, responses, messages, models and the RL "
+        "protocol. **REST API** (`/api/v1/`): projects, keys, datasets, runs, pools, agents and "
+        "sessions. Authenticate with `Authorization: Bearer sk-steep-...`. "
+        "Lists are paged: 50 items a page, follow `next`."
+    ),
     "VERSION": "1",
     "SERVE_INCLUDE_SCHEMA": False,
     "SCHEMA_PATH_PREFIX": "/api/v1",
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
+    # The agent gateway is not DRF: its endpoints are described by hand, listed first.
+    "POSTPROCESSING_HOOKS": [
+        "drf_spectacular.hooks.postprocess_schema_enums",
+        "webapp.api.schema.add_agent_gateway",
+    ],
     # Runs and pools both have a "status" with choices of their own: name each enum.
     "ENUM_NAME_OVERRIDES": {
         "RunStatusEnum": "webapp.runs.apis.RUN_STATUSES",

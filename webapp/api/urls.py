@@ -20,7 +20,10 @@ urlpatterns = [
     path(
         "docs/",
         SpectacularSwaggerView.as_view(
-            url_name="api:schema", authentication_classes=[], permission_classes=[]
+            url_name="api:schema",
+            template_name="api/swagger_ui.html",  # with a way back to the dashboard
+            authentication_classes=[],
+            permission_classes=[],
         ),
         name="docs",
     ),

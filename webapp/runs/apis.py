@@ -379,6 +379,8 @@ class KnownModelOutput(serializers.Serializer):
 
 
 class KnownModelsApi(ProjectAPIView):
+    pagination_class = None  # a short list, whole
+
     @extend_schema(
         responses=KnownModelOutput(many=True),
         summary="Models to train: candidates for a run's base_model",
