@@ -12,6 +12,13 @@ process with the same environment, and times, one request at a time:
   before any database work.
 
     .venv/bin/python bench/gateway_steps.py [--database sqlite|postgres] [-n 300]
+    .venv/bin/python bench/gateway_steps.py --whole-only -n 1000 --tracing memory
+
+``--tracing memory`` turns traces on (``rl_core.tracing``), into an in-memory exporter behind
+the SDK's batch processor (its thread's CPU counts): what a traced turn costs the gateway. The
+steps then include the turn's trace on its own: ``webapp.gateway.traces``' calls for one turn
+(five spans and their attributes), made with each step's real objects. ``--tracing dropped``:
+traces on, every one dropped by the sampler (what a turn left out by sampling costs).
 
 It prints a table of wall-clock mean/p50/p90 ms per step, the process CPU time per
 call (all threads; steadier than wall time on a busy machine) and the SQL statements
@@ -95,8 +102,9 @@ async def asgi_request(app, path: str, body: bytes, headers: list[tuple[bytes, b
 
 
 async def run_steps(n: int, agent_id: str, key: str, whole_only: bool = False) -> dict:
+    from rl_core import tracing
     from webapp.asgi import application
-    from webapp.gateway import turns
+    from webapp.gateway import traces, turns
     from webapp.gateway.chat_request import parse_chat_request
     from webapp.gateway.inference import generate
     from webapp.gateway.lane import lane
@@ -178,7 +186,39 @@ async def run_steps(n: int, agent_id: str, key: str, whole_only: bool = False) -
         with timed(samples, "response JSON (Reply)"):
             reply = _respond(chat, recorded)
             assert isinstance(reply, Reply)
+        if tracing.ON:
+            outputs = [(len(r.output_ids), r.finish_reason) for r in generation.results]
+            request = {"sampling_params": sampling, "input_ids": prompt.input_ids}
+            with timed(samples, "the turn's trace alone (5 spans, their attributes)"):
+                trace = traces.turn_trace(agent_id)
+                if trace is not None:  # None: the sampler dropped it (--tracing dropped)
+                    trace.begin("steep.turn.admit")
+                    traces.admitted(trace, turn)
+                    trace.begin("steep.turn.render")
+                    traces.rendered(trace, prompt)
+                    traces.engine_begins(trace, chat, turn.run, request)
+                    traces.engine_ends(trace, generation.server_url, outputs)
+                    trace.begin("steep.turn.record")
+                    traces.recorded(trace, recorded.response)
+                    traces.finished(trace, reply)
     return samples
+
+
+def _trace_into_memory(dropped: bool):
+    """Traces on into memory (``dropped``: every trace dropped by the sampler); returns a
+    function that counts the spans exported so far."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
+
+    from rl_core import tracing
+
+    provider = TracerProvider(sampler=ALWAYS_OFF) if dropped else TracerProvider()
+    exporter = InMemorySpanExporter()
+    provider.add_span_processor(BatchSpanProcessor(exporter))
+    tracing.use(provider)
+    return lambda: provider.force_flush() and len(exporter.get_finished_spans())
 
 
 def main(argv=None) -> int:
@@ -187,6 +227,12 @@ def main(argv=None) -> int:
     p.add_argument("-n", type=int, default=300, help="calls per step (default 300)")
     p.add_argument("--debug", action="store_true", help="run with DEBUG=true (the laptop default)")
     p.add_argument("--whole-only", action="store_true", help="time only the whole request")
+    p.add_argument(
+        "--tracing",
+        default="off",
+        choices=["off", "memory", "dropped"],
+        help="traces off, into memory, or on and all dropped by the sampler",
+    )
     a = p.parse_args(argv)
     args = g.parse_args(["--database", a.database])
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -205,16 +251,22 @@ def main(argv=None) -> int:
         from django.conf import settings
 
         settings.BENCH_STANDIN_URL = bench.standin_url
+        spans = _trace_into_memory(a.tracing == "dropped") if a.tracing != "off" else None
         try:
             import uvloop
 
             samples = uvloop.run(run_steps(a.n, agent_id, key, a.whole_only))
         except ImportError:
             samples = asyncio.run(run_steps(a.n, agent_id, key, a.whole_only))
+        if spans is not None:
+            print(f"spans exported: {spans()}")
     finally:
         bench.processes.stop()
     width = max(len(k) for k in samples)
-    print(f"Steep gateway steps, {a.database}, DEBUG={env['DEBUG']}, n={a.n} (ms per call)\n")
+    print(
+        f"Steep gateway steps, {a.database}, DEBUG={env['DEBUG']}, tracing {a.tracing}, n={a.n} "
+        "(ms per call)\n"
+    )
     print(f"| {'step'.ljust(width)} | wall mean | wall p50 | wall p90 | CPU mean |")
     print(f"|{'-' * (width + 2)}|---:|---:|---:|---:|")
     for name, xs in samples.items():

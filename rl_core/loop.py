@@ -12,6 +12,8 @@ One step of ``TrainingLoop.run`` (each phase timed as ``timing/<phase>``)::
     report       → controller.on_version, reporter.version / .metrics, source.finished
     checkpoint   → every ``save_every`` steps and at the end (``rl_core.checkpoints``)
 
+With traces on (``rl_core.tracing``) a step is a trace, ``steep.step``, a span per phase run.
+
 The ``filter_stale`` phase is the one place staleness is enforced (the trainer trains what
 it is given): a long episode keeps its stale early turns as context and trains its fresh
 ones (``rl_core.staleness.mask_stale``); a trajectory with nothing fresh is dropped. The loop
@@ -41,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from rl_core import tracing
 from rl_core.adapter_sync import AdapterSync
 from rl_core.checkpoints import CheckpointInfo, latest_checkpoint, write_checkpoint
 from rl_core.config import RunConfig
@@ -202,20 +205,30 @@ class LoopSummary:
 
 
 class _Phases:
-    """Wall time of the loop's named phases for one step, as ``timing/<phase>``."""
+    """Wall time of the loop's named phases for one step, as ``timing/<phase>``; with traces on,
+    the step's trace (``steep.step``) with a span per phase."""
 
-    def __init__(self) -> None:
+    def __init__(self, step: int) -> None:
         self.times: dict[str, float] = {}
+        self.trace = tracing.start("steep.step", {"steep.step": step}) if tracing.ON else None
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         start = time.perf_counter()
+        if self.trace is not None:
+            self.trace.begin(f"steep.step.{name}")
+        error: BaseException | None = None
         try:
             yield
+        except BaseException as exc:
+            error = exc
+            raise
         finally:
             self.times[f"timing/{name}"] = (
                 self.times.get(f"timing/{name}", 0.0) + time.perf_counter() - start
             )
+            if self.trace is not None:
+                self.trace.end(error=error)
 
 
 class TrainingLoop:
@@ -395,7 +408,19 @@ class TrainingLoop:
 
     async def _one_step(self) -> int | None:
         """Collect a batch and train on it; ``None`` when the loop should end, else the drop count."""
-        cfg, phases = self.cfg, _Phases()
+        phases = _Phases(self.step + 1)
+        try:
+            dropped = await self._step(phases)
+        except BaseException as exc:
+            if phases.trace is not None:
+                phases.trace.finish(error=exc)
+            raise
+        if phases.trace is not None:
+            phases.trace.finish({"steep.trained": dropped is not None})
+        return dropped
+
+    async def _step(self, phases: _Phases) -> int | None:
+        cfg = self.cfg
         if self._writing is not None and self._writing.done():
             await self._checkpoint_written()  # a failed write fails the run here, not later
         kept: list[tuple[str, Trajectory]] = []
@@ -477,6 +502,14 @@ class TrainingLoop:
         }
         if self.controller is not None:
             values.update({k: float(v) for k, v in self.controller.stats().items()})
+        if phases.trace is not None:
+            phases.trace.note(
+                {
+                    "steep.version": version,
+                    "steep.trajectories": len(trajectories),
+                    "steep.staleness.dropped": len(dropped_keys),
+                }
+            )
         await self.reporter.metrics(self.step, version, values)
         logger.info(
             "step %d → version %d: reward %.3f, %d trajectories, %.2fs (train %.2fs, wait %.2fs)",
@@ -491,7 +524,8 @@ class TrainingLoop:
 
         # An eval step saves too: the web app evaluates that checkpoint (rl_core.evaluate).
         if self.step % cfg.save_every == 0 or (cfg.eval_every and self.step % cfg.eval_every == 0):
-            await self._checkpoint()
+            with phases.phase("checkpoint"):
+                await self._checkpoint()
         return len(dropped_keys)
 
     async def _checkpoint(self) -> None:

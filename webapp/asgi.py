@@ -12,6 +12,7 @@ django_asgi_app = get_asgi_application()
 from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 
+from rl_core import tracing  # noqa: E402
 from webapp.gateway.asgi import fast_route  # noqa: E402
 from webapp.routing import websocket_urlpatterns  # noqa: E402
 
@@ -22,6 +23,8 @@ application = ProtocolTypeRouter(
     }
 )
 
+# OpenTelemetry traces of agent turns when OTEL_* asks for them (docs/metrics.md, "Traces").
+tracing.setup("steep-web")
 
 # Everything loaded so far (Django, the apps, their modules) lives as long as the process:
 # kept out of the garbage collector's full passes, which otherwise walk ~115k such objects

@@ -32,6 +32,7 @@ from typing import Any
 
 import ray
 
+from rl_core import tracing
 from rl_core.config import RunConfig
 from rl_core.distill import TeacherError
 from rl_core.failpoints import ENV as FAILPOINTS
@@ -446,6 +447,8 @@ def main(argv: list[str] | None = None) -> None:
     run_id, web_url, secret = job_arguments(
         "Run one Steep training run (a Ray job).", "--run-id", argv
     )
+    # A trace per training step when the OTEL_* the web app passed on ask for it.
+    tracing.setup("steep-trainer", {"steep.run_id": run_id})
     asyncio.run(run_job(run_id, web_url, secret))
 
 

@@ -13,7 +13,9 @@ the last token and before the finish chunks, the usage chunk and ``data: [DONE]`
 client that goes away mid-stream (the ASGI route cancels the stream, or closes it when a
 send fails) gets its generation aborted on the engine (``abort_request`` by rid) and its
 turn recorded with ``"aborted": true`` on its outputs: kept for inspection, never trained
-(``selectors.session_trajectories`` leaves it out) and never replayed to a retry.
+(``selectors.session_trajectories`` leaves it out) and never replayed to a retry. With traces
+on, the stream ends the turn's engine span after the last token, spans the record, and ends
+the trace (``webapp.gateway.traces``).
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ import orjson
 
 from rl_core.chat import TOOL_CALL_RE, parse_tool_calls
 from rl_core.inference.client import GenerateChunk, InferenceError
-from webapp.gateway import turns
+from rl_core.tracing import Trace
+from webapp.gateway import traces, turns
 from webapp.gateway.chat_request import ChatRequest
 from webapp.gateway.errors import GatewayError
 from webapp.gateway.inference import StreamingGeneration
@@ -217,8 +220,12 @@ class CompletionStream:
         started: float,
         turn: turns.Turn,
         db,
+        trace: Trace | None = None,
     ):
         self.chat, self.generation, self.turn, self.db = chat, generation, turn, db
+        self.trace = trace
+        if trace is not None:
+            trace.ends_later = True  # by ``events``
         self.interaction_id, self.model = interaction_id, model
         self.created = int(time.time())
         self.record_args, self.started = record, started
@@ -274,6 +281,7 @@ class CompletionStream:
     async def events(self):
         """Role chunks, content deltas as tokens arrive, then the recorded finish, usage, [DONE]."""
         recorded = False
+        error: BaseException | None = None  # how the stream ended, for its trace
         try:
             # The role chunks go out with the first content: one write less before the first token.
             head = b"".join(
@@ -289,6 +297,12 @@ class CompletionStream:
                     head = b""
             if head:
                 yield head
+            if self.trace is not None:
+                traces.engine_ends(
+                    self.trace,
+                    self.generation.server_url,
+                    [(len(choice.ids), choice.finish) for choice in self.choices],
+                )
             calls = []
             for index, choice in enumerate(self.choices):
                 found, extra = choice.tool_calls()
@@ -317,15 +331,20 @@ class CompletionStream:
                 tail.append(self._chunk([], usage=response["usage"]))
             tail.append(b"data: [DONE]\n\n")
             yield b"".join(tail)
-        except (asyncio.CancelledError, GeneratorExit):
+        except (asyncio.CancelledError, GeneratorExit) as exc:
             if not recorded:  # the client went away: abort on the engine, keep the turn
+                error = exc
                 await asyncio.shield(self._abort())
             raise
         except (GatewayError, InferenceError) as exc:
+            error = exc
             if not recorded and self.turn.opened:
                 await asyncio.shield(self.db(turns.discard(turn=self.turn), durable=False))
-            error = exc if isinstance(exc, GatewayError) else _engine_error(exc)
-            yield b"data: " + orjson.dumps(error.payload()[1]) + b"\n\n"
+            failure = exc if isinstance(exc, GatewayError) else _engine_error(exc)
+            yield b"data: " + orjson.dumps(failure.payload()[1]) + b"\n\n"
+        finally:
+            if self.trace is not None:
+                traces.stream_ended(self.trace, error)
 
     def _response(self, calls: list[list[dict]], *, aborted: bool = False) -> dict:
         choices, completion_tokens = [], 0
@@ -378,6 +397,8 @@ class CompletionStream:
         args = dict(self.record_args)
         if aborted:
             args["request_hash"] = ABORTED_REQUEST_HASH
+        if self.trace is not None:
+            self.trace.begin("steep.turn.record")
         recorded = await self.db(
             turns.record(
                 turn=self.turn,
@@ -389,6 +410,8 @@ class CompletionStream:
                 **args,
             )
         )
+        if self.trace is not None:
+            traces.recorded(self.trace, response)
         turns.remember(self.turn, recorded)  # committed: the session's next turn may start from it
         return response
 

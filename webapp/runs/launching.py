@@ -92,6 +92,10 @@ def _submit(run: Run) -> str:
     if settings.STEEP_HUB_MODELS and "HF_HUB_CACHE" not in os.environ:
         # Hugging Face ids are downloaded into the models directory, not a user's home.
         env["HF_HUB_CACHE"] = str(settings.DATA_DIR / "models" / "hub")
+    # Traces (docs/metrics.md): the job exports where this process would; it is its own service.
+    env |= {
+        k: v for k, v in os.environ.items() if k.startswith("OTEL_") and k != "OTEL_SERVICE_NAME"
+    }
     if settings.STEEP_FAILPOINTS:  # chaos tests (rl_core.failpoints)
         env["STEEP_FAILPOINTS"] = settings.STEEP_FAILPOINTS
     if cluster.local:  # this machine: record the inference servers where a stop of Steep finds them
