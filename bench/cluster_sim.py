@@ -204,7 +204,7 @@ def agents(args: argparse.Namespace, results: list[dict]) -> None:
         "| max staleness seen | dropped | idle infer | idle train | sim s | wall s |\n"
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
-    # 320 = 1.25 x agents / max_staleness: the budget holds every agent (docs/benchmarks.md).
+    # 320 = 1.25 x agents / max_staleness: the budget holds every agent (docs/benchmarks/async.md).
     for batch in (8, 64, 256, 320):
         cfg = _config(
             args,

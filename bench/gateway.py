@@ -38,7 +38,7 @@ against the stand-in's own streamed ``/generate``, at 1 and 64 clients.
 The peers' venvs are created under ``.steep/bench-venvs/`` on first use (idempotent);
 each run's files (databases, logs, wrk scripts, results.json) go to
 ``.steep/bench/gateway-<time>/`` (``gateway-sessions-<time>/``). Everything started is stopped at the end.
-See docs/benchmarks.md ("Gateway") for the results and how to read them.
+See docs/benchmarks/gateway.md for the results and how to read them.
 """
 
 from __future__ import annotations

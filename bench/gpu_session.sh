@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# One lent GPU's checks and benchmarks in one call (docs/benchmarks.md, "On a GPU").
+# One lent GPU's checks and benchmarks in one call (docs/benchmarks/gpu.md).
 #
 #   bash bench/gpu_session.sh OUTDIR            # on the GPU machine, from the repository root
 #   SMOKE=1 bash bench/gpu_session.sh /tmp/out  # the same steps on the CPU, tiny sizes
 #
 # The GPU machine has torch, transformers, peft and aiohttp but not Steep's other needs:
-# wheels of orjson and httptools travel in .whl (see docs/benchmarks.md) and install
+# wheels of orjson and httptools travel in .whl (see docs/benchmarks/gpu.md) and install
 # under /tmp/site. Each step has its own time limit, so one that hangs costs only itself.
 # Order: the CUDA paths' correctness; where the torch engine's decode step goes on a GPU
 # (cProfile, SDPA's cuDNN backend on and off); issue 17's pool; then the cost-model figures
 # of issue 19 (the engine's decode step, the trainer's step), measured once already
-# (docs/benchmarks.md, "On a GPU"), last, so a short lease loses those first.
+# (docs/benchmarks/gpu.md), last, so a short lease loses those first.
 set -u
 out=${1:?usage: gpu_session.sh OUTDIR}
 mkdir -p "$out"

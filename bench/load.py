@@ -23,7 +23,7 @@ window (after the warm-up).
     .venv/bin/python bench/load.py --database sqlite --duration 10
 
 Files (databases, logs, results.json, report.md) go to ``.steep/bench/load-<time>/``;
-everything started is stopped at the end. Results: docs/benchmarks.md ("Load held").
+everything started is stopped at the end. Results: docs/benchmarks/gateway.md ("Load held").
 """
 
 from __future__ import annotations

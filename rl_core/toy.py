@@ -38,7 +38,7 @@ reward (measured). The reward curve has two phases: from ~0 to ~0.35 as the mode
 to answer with one of the letters, then up to ~0.7 as it learns which. A learning rate of
 3e-4 (ten times lower than the toy's) keeps sampling diverse long enough for the second
 phase; at 1e-3 the policy often collapsed onto one letter before it could tell them apart.
-On 2 CPU cores it takes four or five minutes (docs/benchmarks.md, "The demo ./steep up shows").
+On 2 CPU cores it takes four or five minutes (docs/benchmarks/demo.md).
 """
 
 from __future__ import annotations

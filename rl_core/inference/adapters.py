@@ -48,7 +48,7 @@ def move_lag(max_staleness: int) -> int:
     prefill of the whole context, so moving at every version pays for tokens that go stale
     anyway. Half the staleness bound trained the most in the cluster simulation (AReaL's
     setting: lag 2 of 4 gave 60.6k tokens/s against 57.8k moving at every version and 51.0k
-    never; lag 4 of 8 89.3k against 77.3k and 75.0k; docs/benchmarks.md).
+    never; lag 4 of 8 89.3k against 77.3k and 75.0k; docs/benchmarks/async.md).
     """
     return max(1, int(max_staleness) // 2)
 

@@ -512,7 +512,7 @@ class PooledInferenceClient(InferenceClient):
     """``InferenceClient`` whose ``/generate`` calls go through ``Http1Pool``.
 
     The gateway's hot path: per request, the pool costs a fraction of httpx's CPU and
-    latency (docs/benchmarks.md). Everything else (control calls, streaming) uses httpx
+    latency (docs/benchmarks/gateway.md). Everything else (control calls, streaming) uses httpx
     as the base class does. Create and use it inside one event loop.
     """
 
@@ -541,7 +541,7 @@ class PooledInferenceClient(InferenceClient):
             yield await self._post_generate(body)
             return
         # The gateway's streamed completions: the pool here too (httpx's per-event work was
-        # most of a streamed token's cost in the gateway, docs/benchmarks.md).
+        # most of a streamed token's cost in the gateway, docs/benchmarks/gateway.md).
         pieces = self._pool.post_stream("/generate", orjson.dumps(body))
         try:
             async with contextlib.aclosing(pieces):

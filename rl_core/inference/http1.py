@@ -2,7 +2,7 @@
 
 The gateway calls ``POST /generate`` once per completion, and on a small machine a
 general-purpose client's per-request work (httpx, aiohttp) was a large share of the
-gateway's CPU and of its added latency (docs/benchmarks.md). This client does only what
+gateway's CPU and of its added latency (docs/benchmarks/gateway.md). This client does only what
 that call needs: one origin, ``POST`` with a ``Content-Length`` body, responses with
 ``Content-Length`` or chunked bodies (parsed by ``httptools``, the parser uvicorn uses),
 keep-alive with a pool of idle connections, and HTTPS through ``ssl``. ``post_stream``

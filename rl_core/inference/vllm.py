@@ -87,7 +87,7 @@ def vllm_available() -> bool:
 def vllm_cpu_settings() -> dict[str, Any]:
     """How Steep runs vLLM's CPU build: float32, as the trainer computes on CPUs (so the
     logprobs recorded and recomputed agree; ``STEEP_VLLM_CPU_DTYPE=bfloat16`` serves in bf16,
-    to measure the mismatch that makes: docs/benchmarks.md), a KV cache of
+    to measure the mismatch that makes: docs/benchmarks/long-sessions.md), a KV cache of
     ``STEEP_VLLM_CPU_KVCACHE_GB`` GiB (default 2; vLLM's own default takes most of the host's
     memory), and ``STEEP_TORCH_THREADS`` threads (default 1), as the torch engine.
 

@@ -12,7 +12,7 @@ appends ``observation_tokens``. The ended session becomes one trajectory (assist
 trained, per-token versions as the server reported them) on the loop's ``QueueSource``.
 
 What is not simulated: the gateway's own HTTP/database path (measured in
-``docs/benchmarks.md``'s gateway sections) and sessions that end without a reward.
+``docs/benchmarks/gateway.md``) and sessions that end without a reward.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The web process keeps what it loaded at start-up out of the garbage collector's full passes
 (``webapp/asgi.py``): walking those ~115k long-lived objects stalled every in-flight request
-for ~85 ms, one to two times a second under load (docs/benchmarks.md, session 13)."""
+for ~85 ms, one to two times a second under load (docs/benchmarks/gateway.md, session 13)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 Agents call ``POST /agents/{agent_id}/v1/chat/completions`` (or its translations
 ``/responses`` and Anthropic's ``/messages``) and the RL protocol's ``/rl/start_session``,
 ``/rl/set_reward`` and ``/rl/end_session`` far more often than anything else, and Django's request/response cycle and middleware cost more CPU than
-their own work (docs/benchmarks.md). ``fast_route(django_app)`` wraps the Django
+their own work (docs/benchmarks/gateway.md). ``fast_route(django_app)`` wraps the Django
 application: those paths go straight to ``completions.chat_completion``,
 ``responses_api.create_response``, ``anthropic_api.create_message`` and
 ``webapp.gateway.rl``; every other request, and any that needs Django's handling (a host

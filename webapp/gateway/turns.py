@@ -13,7 +13,7 @@ A completion touches the database twice:
 
 ``discard`` gives back the admission slot of a one-turn completion that failed.
 Each is a plain function of a DB-API cursor with hand-written SQL: the ORM's per-query
-cost was most of the gateway's latency (docs/benchmarks.md). ``authenticate`` is also the
+cost was most of the gateway's latency (docs/benchmarks/gateway.md). ``authenticate`` is also the
 one implementation of the gateway's auth rules for the ORM services.
 """
 

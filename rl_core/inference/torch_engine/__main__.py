@@ -82,7 +82,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="Turn off the cuDNN backend of PyTorch's scaled_dot_product_attention (CUDA): on "
         "an H200 a decode step's attention calls held 1.5-3.5 ms of host time each, a lead to "
-        "cuDNN building a graph per new KV length (docs/benchmarks.md, 'On a GPU').",
+        "cuDNN building a graph per new KV length (docs/benchmarks/gpu.md).",
     )
     parser.add_argument(
         "--num-threads",
