@@ -2,7 +2,8 @@
 
 Every field carries a one-line ``help`` in its metadata; the REST serializer and
 the dashboard form are built from these fields, so a setting is documented and
-validated in exactly one place. This module imports nothing heavy (no torch).
+validated in exactly one place; ``rl_core.config_groups`` sorts them into the form's
+sections. This module imports nothing heavy (no torch).
 """
 
 from __future__ import annotations
@@ -112,7 +113,6 @@ class RunConfig:
         1,
         "GPUs per inference server (SGLang's --tp-size, vLLM's --tensor-parallel-size): room for a large model's weights and KV cache. Counted by the capacity check and the queue; 1 on CPUs.",
         min=1,
-        advanced=True,
     )
     num_inference_servers: int = _f(1, "Inference server replicas the run starts.", min=1)
     weight_sync: str = _f(
@@ -139,53 +139,44 @@ class RunConfig:
     prefix_tree: bool = _f(
         True,
         "Train sequences that share a prefix (a GRPO group's prompt, a forked session's conversation before the fork, a common system prompt) as a prefix tree: each shared prefix runs through the forward and backward once, with the same loss and gradients as packing every sequence whole. Micro-batches then keep such sequences together and count the tree's tokens against micro_batch_tokens.",
-        advanced=True,
     )
-    # Trainer scale and memory (the run form's advanced section)
+    # Trainer scale and memory
     train_workers: int = _f(
         1,
         "Trainer processes, each a Ray actor (one GPU each on a GPU cluster); above 1 they shard parameters and optimizer state with FSDP2 and split every minibatch by token count.",
         min=1,
-        advanced=True,
     )
     precision: str = _f(
         "auto",
         "Training precision: auto = bf16 compute with float32 master weights and optimizer state on CUDA, fp32 on CPU; bf16 needs GPUs.",
         choices=PRECISIONS,
-        advanced=True,
     )
     gradient_checkpointing: bool = _f(
         False,
         "Recompute activations in the backward pass: less memory per token, about a third more compute. Turn it on from 7B, or past 4k tokens per micro-batch (the trainer sizing in docs/deploy.md assumes it).",
-        advanced=True,
     )
     cpu_offload: bool = _f(
         False,
         "Keep the trainer's sharded float32 weights, gradients and AdamW state in CPU memory and step the optimizer there (FSDP2's CPU offload); each layer is copied to the GPU for its forward and backward. For a model whose 16 bytes per parameter do not fit the trainer GPUs (7B on one 80 GB GPU): GPU memory is then about one layer plus activations, steps are slower (bound by host-device copies). Uses FSDP2 with one trainer worker too; needs host memory of 16 bytes per parameter over the workers of a node.",
-        advanced=True,
     )
     activation_offload: bool = _f(
         False,
         "Move the activations the backward pass needs to CPU memory during the forward and back during the backward: less GPU memory per token without recomputing, at the cost of host-device copies. With gradient_checkpointing only the layers' checkpoints move. Try gradient_checkpointing first.",
-        advanced=True,
     )
     lora_rank: int = _f(
         0,
         "LoRA adapter rank (0 = full fine-tuning). With LoRA only the adapter is trained and checkpointed; the base weights never change.",
         min=0,
-        advanced=True,
     )
     lora_alpha: float = _f(
         16.0,
         "LoRA scaling numerator: the adapter's update is scaled by lora_alpha / lora_rank.",
         min=0.0,
         min_exclusive=True,
-        advanced=True,
     )
     lora_target_modules: list = _f(
         [],
         'Names of the modules that get an adapter, e.g. ["q_proj", "v_proj"]; empty = every linear layer of the attention and MLP blocks.',
-        advanced=True,
     )
     lora_dropout: float = _f(
         0.0,
@@ -193,12 +184,10 @@ class RunConfig:
         min=0.0,
         max=1.0,
         max_exclusive=True,
-        advanced=True,
     )
     inference_pool: str = _f(
         "",
         "Name of a shared inference pool to serve the run's adapters (LoRA runs only); empty = the run starts dedicated servers (num_inference_servers).",
-        advanced=True,
     )
     # Loss
     advantage: str = _f(
@@ -273,51 +262,41 @@ class RunConfig:
     teacher_url: str = _f(
         "",
         "On-policy distillation: the teacher's server, which scores every token the student was served (its logprob in the same context); each trained token's advantage gains distill_weight x (teacher logprob - student logprob). Empty: no teacher. Its tokenizer must be the student's.",
-        advanced=True,
     )
     teacher_pool: str = _f(
         "",
         "On-policy distillation from a shared inference pool: the pool's base model, served by its servers, is the teacher (instead of teacher_url). Its tokenizer must be the student's.",
-        advanced=True,
     )
     teacher_api: str = _f(
         "sglang",
         "How to ask teacher_url for logprobs: sglang = /generate with prompt logprobs (SGLang, Steep's torch engine); vllm = vLLM's /inference/v1/generate with prompt_logprobs; openai = an OpenAI-compatible /completions echoing the prompt's logprobs (teacher_url ends in /v1).",
         choices=("sglang", "vllm", "openai"),
-        advanced=True,
     )
-    teacher_model: str = _f(
-        "", "The model name teacher_api openai sends (its 'model' field).", advanced=True
-    )
+    teacher_model: str = _f("", "The model name teacher_api openai sends (its 'model' field).")
     teacher_tokenizer: str = _f(
         "",
         "Where the teacher's tokenizer is (a local directory), to check it is the student's; empty = the model path the teacher's server reports.",
-        advanced=True,
     )
     distill_weight: float = _f(
-        1.0, "Weight of the teacher's per-token signal in the advantage.", min=0.0, advanced=True
+        1.0, "Weight of the teacher's per-token signal in the advantage.", min=0.0
     )
     reward_weight: float = _f(
         1.0,
         "Weight of the reward's advantage beside a teacher's signal (0 = distillation alone; without a teacher it is not used).",
         min=0.0,
-        advanced=True,
     )
     self_distill: bool = _f(
         False,
         "Self-distillation from feedback: the teacher is the policy itself (its own servers) with the session's hint in context (/rl/set_reward's hint, a feedback comment, a judge's critique); sessions without one train on reward alone. Not with teacher_url.",
-        advanced=True,
     )
     hint_position: str = _f(
         "system",
         "Where self_distill puts the hint: system = a system message before the conversation; before_response = text right before the first answer token.",
         choices=("system", "before_response"),
-        advanced=True,
     )
     hint_template: str = _f(
         "A reviewer's note on this task: {hint}",
         "How self_distill words the hint ({hint} is replaced by it).",
-        advanced=True,
     )
     # Sessions (online mode)
     train_incomplete_sessions: bool = _f(
@@ -361,7 +340,6 @@ class RunConfig:
     trackers: dict = _f(
         {},
         'Mirror the run\'s metrics, config, checkpoints and evaluations to experiment trackers, e.g. {"wandb": {"project": "letters"}, "mlflow": {"tracking_uri": "https://mlflow.example.com"}, "tensorboard": {}}; false turns off one the instance turns on (STEEP_TRACKERS). Credentials (wandb.api_key, mlflow.tracking_token) are stored encrypted and never shown again. A tracker that fails is turned off for the rest of the run, which goes on. See docs/trackers.md.',
-        advanced=True,
         placeholder='{"tensorboard": {}}',
     )
 

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from rl_core.config import RunConfig, _default
+from rl_core.config_groups import SETTING_GROUPS
 from rl_core.reward_specs import REWARD_TYPES_DOC
 
 
@@ -20,22 +21,25 @@ def settings_markdown() -> str:
         "# Run settings",
         "",
         "Every setting of a training run: a top-level field of `POST /api/v1/runs/`, a field of",
-        "the dashboard's run form (the advanced ones folded under *Advanced*), and of",
-        "`rl_core.config.RunConfig`, which validates them for both. Generated from `RunConfig`",
-        "by `python -m rl_core.settings_doc`; do not edit by hand.",
-        "",
-        "| setting | type | default | allowed | meaning |",
-        "|---|---|---|---|---|",
+        "the dashboard's run form, and of `rl_core.config.RunConfig`, which validates them for",
+        "both. The groups are the form's: the essentials are open, the others folded under",
+        "*Advanced* (`rl_core.config_groups`). Generated from `RunConfig` by",
+        "`python -m rl_core.settings_doc`; do not edit by hand.",
     ]
-    for f in dataclasses.fields(RunConfig):
-        meta = f.metadata
-        kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-        shown = "required" if meta.get("required") else f"`{_json(_default(f))}`"
-        lines.append(
-            f"| `{f.name}` | {_JSON_TYPES[kind.replace(' | None', '')]}{' or null' if 'None' in kind else ''} | {shown} | {_allowed(meta)} |"
-            f" {meta['help']}{' (advanced)' if meta.get('advanced') else ''} |"
-        )
+    fields = {f.name: f for f in dataclasses.fields(RunConfig)}
+    for group, names in SETTING_GROUPS.items():
+        lines += ["", f"## {group}", "", "| setting | type | default | allowed | meaning |"]
+        lines.append("|---|---|---|---|---|")
+        lines += [_row(fields[name]) for name in names]
     return "\n".join(lines) + "\n" + REWARD_TYPES_DOC
+
+
+def _row(f: dataclasses.Field) -> str:
+    meta = f.metadata
+    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    shown = "required" if meta.get("required") else f"`{_json(_default(f))}`"
+    json_type = _JSON_TYPES[kind.replace(" | None", "")] + (" or null" if "None" in kind else "")
+    return f"| `{f.name}` | {json_type} | {shown} | {_allowed(meta)} | {meta['help']} |"
 
 
 _JSON_TYPES = {

@@ -1,16 +1,16 @@
 """Does a page fit its viewport? ``assert_fits(page)`` for any browser test at any width.
 
-A page "fits" when nothing a person reads or clicks is out of reach: the last cell of every
-table row and every form control (input, select, textarea, button) that is visible ends
-inside the viewport and inside every box that clips it (a ``.table-scroll`` wrapper, a card
-with ``overflow: hidden``): a table scrolled inside a narrow card hides its last column as
-surely as one that runs off the screen.
+A page "fits" when nothing a person reads or clicks is out of reach: the last visible cell of
+every table row (a column hidden on a phone leaves the one before it last) and every visible
+form control (input, select, textarea, button) ends inside the viewport and inside every box
+that clips it (a ``.table-scroll`` wrapper, a card with ``overflow: hidden``): a table
+scrolled inside a narrow card hides its last column as surely as one that runs off the screen.
 """
 
 from __future__ import annotations
 
-# Offenders as "what: right edge > limit (where)"; elements with no box (display: none,
-# inside a closed <details>) or visibility: hidden are not seen, so not checked.
+# Offenders as "what: right edge > limit (where)"; elements not rendered (display: none, inside
+# a closed <details>) or visibility: hidden are not seen, so not checked.
 _OFFENDERS = """
 () => {
   window.scrollTo(0, window.scrollY);
@@ -26,6 +26,10 @@ _OFFENDERS = """
       (table && table !== el ? ` in ${table.id ? "table#" + table.id : "a table"}` : "") +
       (where && where !== el ? ` under #${where.id}` : "");
   };
+  const seen = (el) => {  // a closed <details> lays its content out, hidden (content-visibility)
+    const r = el.getBoundingClientRect();
+    return r.width > 0 && r.height > 0 && el.checkVisibility({visibilityProperty: true});
+  };
   const limit = (el) => {  // the viewport, narrowed by every ancestor that clips sideways
     let right = viewport, left = 0;
     for (let a = el.parentElement; a && a !== document.body; a = a.parentElement) {
@@ -39,8 +43,8 @@ _OFFENDERS = """
     return [left, right];
   };
   const check = (el) => {
+    if (!seen(el)) return;
     const r = el.getBoundingClientRect();
-    if (r.width === 0 || r.height === 0 || getComputedStyle(el).visibility === "hidden") return;
     const [left, right] = limit(el);
     if (r.right > right + 0.5 || r.left < left - 0.5) {
       offenders.push(`${describe(el)}: ${Math.round(r.left)}..${Math.round(r.right)} ` +
@@ -48,7 +52,10 @@ _OFFENDERS = """
     }
   };
   for (const table of document.querySelectorAll("table")) {
-    for (const row of table.rows) if (row.cells.length) check(row.cells[row.cells.length - 1]);
+    for (const row of table.rows) {  // the last cell a person sees: a column hidden on a phone
+      const cells = [...row.cells].filter(seen);  // (display: none) leaves the one before it
+      if (cells.length) check(cells[cells.length - 1]);
+    }
   }
   document.querySelectorAll("input, select, textarea, button").forEach(check);
   return offenders;

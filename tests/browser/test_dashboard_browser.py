@@ -69,6 +69,7 @@ def test_a_run_created_from_the_form_and_an_agent_with_its_base_url(
     page.fill("input[name=name]", "first run")
     page.select_option("select[name=mode]", "online")
     page.fill("input[name=base_model]", "/models/tiny")
+    page.click("#advanced > summary")  # max_staleness is folded under Advanced
     page.fill("input[name=max_staleness]", "-1")
     page.click("button:has-text('Create run')")
     expect(page.locator("body")).to_contain_text("max_staleness must be at least 0")

@@ -40,6 +40,7 @@ def test_a_run_started_from_the_dashboard_shows_its_reward_chart_updating(
         page.select_option("select[name=dataset]", str(dataset.id))
         page.fill("input[name=base_model]", str(stack.model_dir))
         page.fill("input[name=reward]", json.dumps(TOY_REWARD))
+        page.click("#advanced > summary")  # the settings below are folded under Advanced
         for name in (
             "batch_size",
             "group_size",

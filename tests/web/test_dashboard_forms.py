@@ -270,15 +270,15 @@ def test_run_form_folds_the_advanced_settings_and_opens_them_on_an_error(member_
     url = reverse("dashboard:run-new", args=[project.id])
     html = member_client.get(url).content.decode()
     basic, advanced = html.split('<details class="advanced-settings"')
-    for name in ("train_workers", "precision", "lora_rank", "lora_target_modules"):
+    for name in ("train_workers", "precision", "lora_rank", "learning_rate"):
         assert f'id="id_{name}"' in advanced and f'id="id_{name}"' not in basic
-    assert 'id="id_learning_rate"' in basic
-    assert advanced.startswith(">")  # folded
+    assert 'id="id_max_steps"' in basic
+    assert advanced.startswith(' id="advanced">')  # folded
 
     response = member_client.post(url, browser_defaults(lora_rank="-2"))
     assert response.status_code == 400
     advanced = response.content.decode().split('<details class="advanced-settings"')[1]
-    assert advanced.startswith(" open>")
+    assert advanced.startswith(' id="advanced" open>')
     assert "at least 0" in advanced
 
     response = member_client.post(

@@ -5,11 +5,13 @@ import json
 from pathlib import Path
 
 from django import forms
+from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.contrib.auth.forms import UserCreationForm
-from django.utils.html import format_html, format_html_join
+from django.utils.html import escape, format_html, format_html_join
 
 from rl_core.config import ConfigError, RunConfig
+from rl_core.config_groups import POOL_SETTINGS, SETTING_GROUPS
 
 
 class SignupForm(UserCreationForm):
@@ -80,6 +82,31 @@ def _form_field(spec) -> forms.Field:
     return forms.CharField(required=required, initial=default, help_text=help_text)
 
 
+def _initial(value):
+    """A preset's setting as a field of this form takes it (lists comma-separated, objects as JSON)."""
+    if isinstance(value, list):
+        return ", ".join(value)
+    if isinstance(value, dict):
+        return json.dumps(value) if value else ""
+    return value
+
+
+def _base_model_help(*, listed: bool) -> str:
+    """What this instance accepts as base_model (``rl_core.sources.model_source``), said plainly."""
+    roots = escape(", ".join(settings.STEEP_MODEL_ROOTS) or "none")  # help text is rendered |safe
+    hub = (
+        "or a Hugging Face id (org/name), which the run's job downloads"
+        if settings.STEEP_HUB_MODELS
+        else "not a Hugging Face id: this instance does not download models (STEEP_HUB_MODELS)"
+    )
+    offered = "Pick one this instance offers from the list, or type" if listed else "Type"
+    return (
+        f"The model to train. {offered} the demo model ({escape(settings.STEEP_DEMO_MODEL)}), or the"
+        f" name or path of a model directory (Hugging Face format) under a model root"
+        f" (STEEP_MODEL_ROOTS: {roots}); {hub}."
+    )
+
+
 class DatalistInput(forms.TextInput):
     """A text input offering ``options`` (an HTML datalist): pick one or type another."""
 
@@ -98,14 +125,22 @@ class RunForm(forms.Form):
 
     ``models``: the base models to offer (``webapp.runs.selectors.known_models``); the
     project's newest, else the first (the demo model), is filled in. ``pools``: the shared
-    inference pools a LoRA run may attach to (``inference_pool`` becomes a select of them).
-    ``checkpoints``: the project's, which ``init_checkpoint`` offers by id.
+    inference pools a LoRA run may attach to (``inference_pool`` becomes a select of them,
+    shown with ``lora_rank`` among the essentials). ``checkpoints``: the project's, which
+    ``init_checkpoint`` offers by id. ``preset``: a ``RunPreset`` whose values fill the form.
+    The sections are ``rl_core.config_groups``': the essentials open, the rest under Advanced.
     """
 
     name = forms.CharField(max_length=200)
-    dataset = forms.ChoiceField(required=False, help_text="Required in dataset mode.")
+    dataset = forms.ChoiceField(
+        required=False,
+        help_text="Dataset mode: the prompts Steep samples. Online mode needs none: your agents"
+        " call the run's base_url.",
+    )
 
-    def __init__(self, *args, datasets=(), models=(), pools=(), checkpoints=(), **kwargs):
+    def __init__(
+        self, *args, datasets=(), models=(), pools=(), checkpoints=(), preset=None, **kwargs
+    ):
         super().__init__(*args, **kwargs)
         self.fields["dataset"].choices = [("", "— none —")] + [
             (str(d.id), f"{d.name} ({d.row_count} rows)") for d in datasets
@@ -113,6 +148,7 @@ class RunForm(forms.Form):
         for spec in RunConfig.field_specs():
             self.fields[spec.name] = _form_field(spec)
         self.fields["reward"].initial = '{"type": "exact_match"}'
+        self.essentials = ["name", "mode", "base_model", "dataset", "reward", "max_steps"]
         if pools:
             pool = self.fields["inference_pool"]
             self.fields["inference_pool"] = forms.ChoiceField(
@@ -124,6 +160,7 @@ class RunForm(forms.Form):
                 ],
                 help_text=pool.help_text + " Set lora_rank above 0 to attach.",
             )
+            self.essentials += POOL_SETTINGS
         start = self.fields["init_checkpoint"]
         self.fields["init_checkpoint"] = forms.ChoiceField(
             required=False,
@@ -136,25 +173,36 @@ class RunForm(forms.Form):
         base_model = self.fields["base_model"]
         base_model.widget = DatalistInput(names, "known-models")
         base_model.initial = preferred[0] if preferred else ""
-        if names:
-            base_model.help_text += " Pick one this instance knows, or type another."
+        base_model.help_text = _base_model_help(listed=bool(names))
+        self.defaults = {name: f.initial for name, f in self.fields.items() if name != "name"}
+        if preset is not None:
+            for name, value in preset.values.items():
+                self.fields[name].initial = _initial(value)
 
-    def basic_fields(self):
-        """The fields shown open: name, dataset and every setting not marked advanced."""
-        advanced = self._advanced_names()
-        return [self[name] for name in self.fields if name not in advanced]
+    def essential_fields(self):
+        """What a first run needs, shown open: name, mode, model, dataset, reward, steps (and a pool)."""
+        return [self[name] for name in self.essentials]
 
-    def advanced_fields(self):
-        """Trainer scale, precision and LoRA settings: folded away under "Advanced"."""
-        advanced = self._advanced_names()
-        return [self[name] for name in self.fields if name in advanced]
+    def advanced_groups(self) -> list[tuple[str, list]]:
+        """The other settings by group (``rl_core.config_groups``), folded under Advanced."""
+        return [
+            (group, [self[n] for n in names if n not in self.essentials])
+            for group, names in SETTING_GROUPS.items()
+            if any(n not in self.essentials for n in names)
+        ]
 
     def advanced_has_errors(self) -> bool:
-        return any(field.errors for field in self.advanced_fields())
+        return any(f.errors for _, fields in self.advanced_groups() for f in fields)
 
-    @staticmethod
-    def _advanced_names() -> set[str]:
-        return {spec.name for spec in RunConfig.field_specs() if spec.metadata.get("advanced")}
+    def preset_values(self, preset) -> dict[str, str | bool]:
+        """Every field but the name as ``preset`` sets it (the defaults where it is silent), as
+        the browser holds it: what ``static/run_form.js`` writes into the form."""
+        values = {name: self.defaults[name] for name in self.defaults}
+        values |= {name: _initial(value) for name, value in preset.values.items()}
+        return {
+            name: v if isinstance(v, bool) else "" if v is None else str(v)
+            for name, v in values.items()
+        }
 
     def clean(self):
         cleaned = super().clean()

@@ -33,6 +33,7 @@ from webapp.agents.services import AgentInvalid, agent_create
 from webapp.agents.snippets import openai_snippet
 from webapp.dashboard import charts, checkpoint_views, conversation, eval_views
 from webapp.dashboard.forms import AgentForm, DatasetForm, KeyForm, ProjectForm, RunForm, SignupForm
+from webapp.dashboard.presets import preset_named, run_presets
 from webapp.datasets.selectors import dataset_get, dataset_list
 from webapp.datasets.services import (
     DatasetInUse,
@@ -68,6 +69,7 @@ from webapp.runs.selectors import (
     run_get,
     run_last_restart,
     run_list,
+    run_list_with_reward,
 )
 from webapp.runs.services import (
     ExportRefused,
@@ -249,7 +251,7 @@ def dataset_detail(request, project_id, dataset_id):
 @login_required
 def runs(request, project_id):
     project = _project(request, project_id)
-    context = {"project": project, "tab": "runs", "runs": run_list(project=project)}
+    context = {"project": project, "tab": "runs", "runs": run_list_with_reward(project=project)}
     return _render(request, "dashboard/runs.html", "dashboard/_runs_table.html", context)
 
 
@@ -258,12 +260,16 @@ def runs(request, project_id):
 def run_new(request, project_id):
     project = _project(request, project_id)
     project_datasets = dataset_list(project=project)
+    pools = list(pool_list())
+    presets = run_presets(datasets=project_datasets, pools=pools)
+    preset = preset_named(presets, request.GET.get("preset"))
     form = RunForm(
         request.POST or None,
         datasets=project_datasets,
         models=known_models(project=project),
-        pools=pool_list(),
+        pools=pools,
         checkpoints=project_checkpoint_list(project=project),
+        preset=preset,
     )
     if request.method == "POST" and form.is_valid():
         dataset = None
@@ -283,7 +289,16 @@ def run_new(request, project_id):
         else:
             return redirect("dashboard:run", project_id=project.id, run_id=run.id)
     status = 400 if request.method == "POST" else 200
-    context = {"project": project, "tab": "runs", "form": form, "datasets": project_datasets}
+    context = {
+        "project": project,
+        "tab": "runs",
+        "form": form,
+        "datasets": project_datasets,
+        "presets": presets,
+        "preset": preset,
+        "unknown_preset": request.GET.get("preset") if preset is None else None,
+        "preset_values": {p.slug: form.preset_values(p) for p in presets},
+    }
     return render(request, "dashboard/run_new.html", context, status=status)
 
 

@@ -24,12 +24,21 @@ from webapp.accounts.selectors import parse_uuid
 from webapp.runs.models import Checkpoint, MetricPoint, Run, RunEvent
 from webapp.runs.sources import source_rules
 
+REWARD_METRIC = "rollout/reward"
+
 
 def run_list(*, project: Project, status: str | None = None) -> QuerySet[Run]:
     runs = Run.objects.filter(project=project).select_related("dataset")
     if status:
         runs = runs.filter(status=status)
     return runs.order_by("-created_at")
+
+
+def run_list_with_reward(*, project: Project) -> QuerySet[Run]:
+    """The project's runs, newest first, each with ``reward``: its latest ``rollout/reward``
+    (None before the first step), fetched in the same query as the runs."""
+    latest = MetricPoint.objects.filter(run=OuterRef("pk"), name=REWARD_METRIC).order_by("-step")
+    return run_list(project=project).annotate(reward=Subquery(latest.values("value")[:1]))
 
 
 def run_get(*, project: Project, run_id) -> Run:

@@ -1,8 +1,10 @@
-"""Template filters for times and paces: relative in the text, absolute on hover (``title``)."""
+"""Template filters for times and paces: relative in the text, absolute on hover (``title``);
+short model names, the full path on hover."""
 
 from __future__ import annotations
 
 from datetime import datetime
+from pathlib import PurePosixPath
 
 from django import template
 from django.utils import timezone
@@ -64,3 +66,12 @@ def rate(value: float | None) -> str:
     if value is None:
         return ""
     return f"{value:.0f}" if value >= 100 else f"{value:.1f}".removesuffix(".0")
+
+
+@register.filter
+def model_name(value: str) -> str:
+    """A model's short name: a local directory's last component (``/data/models/Qwen3-0.6B`` ->
+    ``Qwen3-0.6B``); a Hugging Face id (``Qwen/Qwen3-0.6B``) stays whole, its owner is part of it."""
+    if value.startswith(("/", ".", "~")):
+        return PurePosixPath(value).name or value
+    return value
