@@ -1,6 +1,7 @@
 """On-policy distillation against RL on the toy task (issue 38): reward and reverse KL per step.
 
-    .venv/bin/python bench/distill.py [--steps 12] [--teacher-steps 12] [--json out.json]
+    .venv/bin/python bench/distill.py [--steps 12] [--teacher-steps 12] [--topk 8] [--json out.json]
+        [--task toy|demo] [--runs rl,topk,...] [--window 1]
 
 The tiny model (``rl_core.tiny``) on the toy task (``rl_core.toy``, ``TOY_SETTINGS``), one torch
 engine per run, everything in this process's event loop (``rl_core.rollout.LocalRun``):
@@ -10,11 +11,18 @@ engine per run, everything in this process's event loop (``rl_core.rollout.Local
 2. ``rl``: the same RL run again (its reward per step is the baseline);
 3. ``distill``: a fresh student distilled from the teacher, on its per-token signal alone
    (``reward_weight`` 0);
-4. ``distill+reward``: both signals (``reward_weight`` 1, ``distill_weight`` 1).
+4. ``distill+reward``: both signals (``reward_weight`` 1, ``distill_weight`` 1);
+5. ``distill+topk``: distillation alone (``reward_weight`` 0) with the teacher's top-k forward-KL
+   term beside the sampled-token signal (``distill_topk`` ``--topk``, ``distill_topk_coef`` 1);
+6. ``topk``: the top-k forward-KL term alone (``distill_weight`` 0 as well).
 
 Reported per run: the reward per step, the reverse KL to the teacher per step (the teacher's runs
-only), the wall time, and the first step at which the run's reward reaches the ``rl`` run's final
+only; the top-k forward KL too where it is trained), the wall time, and the first step at which the run's reward reaches the ``rl`` run's final
 reward (the mean of its last three steps) - the goal is at most half the RL run's steps.
+
+``--task demo`` runs all of it on the demo task instead (``DEMO_SETTINGS``: say the letter, v or
+a, the prompt asks for; learning rate 3e-4), where RL needs hundreds of steps; ``--window``
+averages a run's reward over that many steps before comparing (the demo's batches are noisy).
 """
 
 from __future__ import annotations
@@ -34,28 +42,43 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
+def task_of(name: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A task's run settings and rows: ``toy`` (say "v") or ``demo`` (say the letter asked)."""
+    from rl_core.toy import DEMO_SETTINGS, TOY_SETTINGS, demo_rows, toy_rows
+
+    if name == "demo":
+        return DEMO_SETTINGS, demo_rows(512, seed=0)
+    return TOY_SETTINGS, toy_rows(64, seed=0)
+
+
 async def one_run(
-    model_dir: Path, url: str, settings: dict[str, Any], teacher_url: str = ""
+    model_dir: Path,
+    url: str,
+    settings: dict[str, Any],
+    teacher_url: str = "",
+    task: str = "toy",
 ) -> dict:
     from rl_core.config import RunConfig
     from rl_core.distill import SGLangTeacher, TeacherScorer
     from rl_core.loop import ListReporter
     from rl_core.rollout import LocalRun
-    from rl_core.toy import TOY_SETTINGS, toy_rows
     from rl_core.trainer import PPOTrainer
 
+    task_settings, rows = task_of(task)
     extra = {"teacher_url": teacher_url} if teacher_url else {}
-    cfg = RunConfig.from_dict({"base_model": str(model_dir), **TOY_SETTINGS, **settings, **extra})
+    cfg = RunConfig.from_dict({"base_model": str(model_dir), **task_settings, **settings, **extra})
     trainer = PPOTrainer(cfg, model_path=model_dir, device="cpu")
     reporter = ListReporter()
-    scorer = TeacherScorer(SGLangTeacher(teacher_url)) if teacher_url else None
+    scorer = (
+        TeacherScorer(SGLangTeacher(teacher_url), topk=cfg.distill_topk) if teacher_url else None
+    )
     started = time.perf_counter()
     try:
         await LocalRun(
             cfg,
             trainer=trainer,
             urls=[url],
-            rows=toy_rows(64, seed=0),
+            rows=rows,
             weights_dir=Path(tempfile.mkdtemp(prefix="steep-distill-")),
             reporter=reporter,
             teacher=scorer,
@@ -67,11 +90,15 @@ async def one_run(
         "seconds": time.perf_counter() - started,
         "reward": reporter.series("rollout/reward"),
         "reverse_kl": reporter.series("distill/reverse_kl"),
+        "topk_forward_kl": reporter.series("distill/topk_forward_kl"),
     }
 
 
-def first_reaching(rewards: list[float], target: float) -> int | None:
-    return next((i + 1 for i, r in enumerate(rewards) if r >= target), None)
+def first_reaching(rewards: list[float], target: float, window: int = 1) -> int | None:
+    """The first step whose reward (the mean of the ``window`` steps ending there) reaches
+    ``target``."""
+    means = [sum(rewards[i + 1 - window : i + 1]) / window for i in range(window - 1, len(rewards))]
+    return next((i + window for i, r in enumerate(means) if r >= target), None)
 
 
 async def main_async(args: argparse.Namespace) -> dict:
@@ -92,31 +119,45 @@ async def main_async(args: argparse.Namespace) -> dict:
 
     try:
         teacher_dir, _ = await rl_teacher(
-            model_dir, engine(model_dir), root / "teacher", steps=args.teacher_steps
+            model_dir,
+            engine(model_dir),
+            root / "teacher",
+            steps=args.teacher_steps,
+            task=task_of(args.task),
         )
         teacher_url = engine(teacher_dir)
         steps = {"max_steps": args.steps}
-        runs = {
-            "rl": await one_run(model_dir, engine(model_dir), steps),
-            "distill": await one_run(
-                model_dir, engine(model_dir), {**steps, "reward_weight": 0.0}, teacher_url
-            ),
-            "distill+reward": await one_run(model_dir, engine(model_dir), steps, teacher_url),
+        topk = {"distill_topk": args.topk}
+        plans = {
+            "rl": ({}, ""),
+            "distill": ({"reward_weight": 0.0}, teacher_url),
+            "distill+reward": ({}, teacher_url),
+            "distill+topk": ({"reward_weight": 0.0, **topk}, teacher_url),
+            "topk": ({"reward_weight": 0.0, "distill_weight": 0.0, **topk}, teacher_url),
         }
+        runs = {}
+        for name in args.runs.split(","):
+            settings, teacher = plans[name]
+            runs[name] = await one_run(
+                model_dir, engine(model_dir), {**steps, **settings}, teacher, args.task
+            )
     finally:
         for server in servers:
             server.stop()
-    target = sum(runs["rl"]["reward"][-3:]) / 3
+    last = max(3, args.window)
+    target = sum(runs["rl"]["reward"][-last:]) / last
     for run in runs.values():
-        run["reaches_rl_final_at"] = first_reaching(run["reward"], target - 1e-9)
-    return {"rl_final_reward": target, "runs": runs}
+        run["reaches_rl_final_at"] = first_reaching(run["reward"], target - 1e-9, args.window)
+    return {"rl_final_reward": target, "window": args.window, "task": args.task, "runs": runs}
 
 
 def markdown(result: dict) -> str:
     runs = result["runs"]
     steps = max(len(r["reward"]) for r in runs.values())
     lines = [
-        f"RL's final reward (mean of its last 3 steps): {result['rl_final_reward']:.3f}",
+        f"Task {result['task']}; RL's final reward (mean of its last "
+        f"{max(3, result['window'])} steps): {result['rl_final_reward']:.3f}; a run reaches it "
+        f"where the mean of its last {result['window']} step(s) does",
         "",
         "| run | first step at RL's final reward | wall s | "
         + " | ".join(f"step {i + 1}" for i in range(steps))
@@ -133,6 +174,9 @@ def markdown(result: dict) -> str:
         if run["reverse_kl"]:
             cells = [f"{k:.2f}" for k in run["reverse_kl"]]
             lines.append(f"| {name}: reverse KL | | | " + " | ".join(cells) + " |")
+        if run.get("topk_forward_kl"):
+            cells = [f"{k:.2f}" for k in run["topk_forward_kl"]]
+            lines.append(f"| {name}: top-k forward KL | | | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -140,8 +184,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--teacher-steps", type=int, default=12)
+    parser.add_argument("--topk", type=int, default=8, help="distill_topk of the distill+topk run")
+    parser.add_argument("--task", choices=("toy", "demo"), default="toy")
+    parser.add_argument(
+        "--runs", default="rl,distill,distill+reward,distill+topk,topk", help="which, in order"
+    )
+    parser.add_argument("--window", type=int, default=1, help="steps a reward is averaged over")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    if "rl" not in args.runs.split(","):
+        parser.error("--runs needs rl: the other runs are measured against it")
     print(
         f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",

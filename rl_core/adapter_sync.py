@@ -31,12 +31,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
+import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from rl_core.inference.adapters import AdapterSwitch, adapter_name
+from rl_core.inference.adapters import AdapterSwitch, adapter_name, role_prefix
 from rl_core.inference.client import InferenceClient, InferenceUnavailable
 from rl_core.inference.vllm import client_for
 from rl_core.weight_sync import dir_bytes
@@ -200,3 +201,130 @@ class AdapterSync:
         if self._clients is not None:
             await asyncio.gather(*(c.aclose() for c in self._clients))
             self._clients = None
+
+
+class RoleAdapterSync:
+    """``AdapterSync`` for a multi-agent run (``RunConfig.roles``): each role's adapter is
+    published as ``<prefix>-<role>-v<N>`` (``rl_core.inference.adapters.role_prefix``), from
+    ``adapters_dir/<role>/v<N>``, by an ``AdapterSync`` of its own.
+
+    ``push`` publishes every role at ``trainer.version`` (the roles share the run's versions,
+    so staleness is counted in them): the adapters are saved one at a time (a distributed
+    trainer's save is a collective) and loaded on the servers concurrently. A shared pool's
+    servers are read once per push and ``on_change`` told once, when every role is on them.
+    Same interface as ``AdapterSync``.
+    """
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        adapters_dir: str | Path,
+        prefix: str,
+        roles: Sequence[str],
+        *,
+        keep: int = 2,
+        refresh: Callable[[], Awaitable[list[str]]] | None = None,
+        on_change: Callable[[list[str], list[str]], Awaitable[None]] | None = None,
+        skip_unreachable: bool = False,
+        backend: str = "torch",
+    ):
+        if not roles:
+            raise ValueError(
+                "RoleAdapterSync publishes a multi-agent run's roles: give at least one"
+            )
+        self.refresh, self.on_change = refresh, on_change
+        self._servers: list[str] | None = None  # what refresh said for the push under way
+        self.syncs = {
+            role: AdapterSync(
+                urls,
+                Path(adapters_dir) / role,
+                role_prefix(prefix, role),
+                keep=keep,
+                refresh=self._pool_servers if refresh is not None else None,
+                skip_unreachable=skip_unreachable,
+                backend=backend,
+            )
+            for role in roles
+        }
+        self.last_timing: dict[str, float] = {}
+        self.reporter: Any = None
+        self._saving = threading.Lock()  # one adapter save at a time, whole
+
+    @property
+    def urls(self) -> list[str]:
+        return next(iter(self.syncs.values())).urls
+
+    @property
+    def current(self) -> dict[str, str | None]:
+        """The newest adapter name of each role."""
+        return {role: sync.current for role, sync in self.syncs.items()}
+
+    async def _pool_servers(self) -> list[str]:
+        if self._servers is None:
+            assert self.refresh is not None
+            self._servers = list(await self.refresh())
+        return self._servers
+
+    async def push(self, trainer: Any) -> int:
+        """Publish every role's adapter as version ``trainer.version``; return the version."""
+        started = time.perf_counter()
+        before = list(self.urls)
+        self._servers = None
+        try:
+            versions = await asyncio.gather(
+                *(sync.push(_RoleTrainer(trainer, role, self._saving))
+                  for role, sync in self.syncs.items())
+            )  # fmt: skip
+        finally:
+            self._servers = None
+        after = list(self.urls)
+        added = [url for url in after if url not in before]
+        removed = [url for url in before if url not in after]
+        if self.on_change is not None and (added or removed):
+            await self.on_change(added, removed)
+        self.last_timing = _combined([sync.last_timing for sync in self.syncs.values()])
+        self.last_timing["timing/weight_sync"] = time.perf_counter() - started
+        self.last_timing["timing/weight_transfer"] = self.last_timing["timing/weight_sync"]
+        return versions[0]
+
+    async def resync(self, trainer: Any, url: str) -> None:
+        """The server at ``url`` was restarted: every role's adapters in use are loaded again."""
+        for sync in self.syncs.values():
+            await sync.resync(trainer, url)
+
+    async def drain(self) -> None:
+        await asyncio.gather(*(sync.drain() for sync in self.syncs.values()))
+
+    async def unload_all(self) -> None:
+        for sync in self.syncs.values():
+            await sync.unload_all()
+
+    async def aclose(self) -> None:
+        for sync in self.syncs.values():
+            await sync.aclose()
+
+
+class _RoleTrainer:
+    """What one role's ``AdapterSync`` sees of the trainer: its version, and its role's save."""
+
+    def __init__(self, trainer: Any, role: str, lock: threading.Lock):
+        self.trainer, self.role, self.lock = trainer, role, lock
+        self.version = trainer.version
+
+    def save_adapter(self, path: str) -> str:
+        with self.lock:
+            return self.trainer.save_adapter(path, role=self.role)
+
+
+def _combined(timings: list[dict[str, float]]) -> dict[str, float]:
+    """The roles' push timings as one push's: bytes, requests moved and save times (one at a
+    time) summed; the rest, which ran concurrently, the longest."""
+    summed = ("weight_sync/bytes", "weight_sync/requests_moved", "timing/save_weights")
+    out: dict[str, float] = {}
+    for timing in timings:
+        for key, value in timing.items():
+            if key in summed:
+                out[key] = out.get(key, 0.0) + value
+            else:
+                out[key] = max(out.get(key, value), value)
+    return out

@@ -9,6 +9,7 @@ sections. This module imports nothing heavy (no torch).
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +31,9 @@ WEIGHT_SYNC_STRATEGIES = ("distributed", "disk")
 # What lora_target_modules = [] means: peft's shorthand for every linear layer of the
 # attention and MLP blocks (the output head excluded).
 LORA_ALL_LINEAR = "all-linear"
+# A multi-agent run's role names: they appear in adapter names and in `model: "policy/<role>"`.
+ROLE_NAME = re.compile(r"[a-z][a-z0-9_-]{0,31}")
+MAX_ROLES = 8
 
 
 class ConfigError(ValueError):
@@ -189,6 +193,10 @@ class RunConfig:
         "",
         "Name of a shared inference pool to serve the run's adapters (LoRA runs only); empty = the run starts dedicated servers (num_inference_servers).",
     )
+    roles: list = _f(
+        [],
+        'A multi-agent run: the roles it trains, e.g. ["speaker", "listener"], each its own LoRA adapter on base_model (online mode, lora_rank > 0). An agent is bound to a role or names one per request (model "policy/<role>"); advantages, baselines and metrics are per role. Empty = one policy. See docs/multi-agent.md.',
+    )
     # Loss
     advantage: str = _f(
         "auto",
@@ -283,6 +291,17 @@ class RunConfig:
     reward_weight: float = _f(
         1.0,
         "Weight of the reward's advantage beside a teacher's signal (0 = distillation alone; without a teacher it is not used).",
+        min=0.0,
+    )
+    distill_topk: int = _f(
+        0,
+        "Dense supervision from the teacher: its k likeliest tokens at each trained position and a forward-KL term pulling the student's logprobs of them towards the teacher's (distill_topk_coef), so the student learns what the teacher would say, not only what it sampled. Costs the teacher k logprobs per token (SGLang, vLLM or the torch engine) and the trainer a [tokens, k] gather. 0 = off (the sampled-token signal alone).",
+        min=0,
+        max=64,
+    )
+    distill_topk_coef: float = _f(
+        1.0,
+        "Weight of the top-k forward-KL term in the loss (with distill_topk > 0).",
         min=0.0,
     )
     self_distill: bool = _f(
@@ -470,13 +489,20 @@ class RunConfig:
             )
         if self.self_distill and "{hint}" not in self.hint_template:
             bad("hint_template", "hint_template must contain {hint}.")
-        if (self.teacher_url or self.teacher_pool or self.self_distill) and not (
-            self.distill_weight or self.reward_weight
-        ):
+        has_teacher = bool(self.teacher_url or self.teacher_pool or self.self_distill)
+        if self.distill_topk and not has_teacher:
+            bad(
+                "distill_topk",
+                "distill_topk needs a teacher: set teacher_url, teacher_pool or self_distill.",
+            )
+        topk_trains = bool(self.distill_topk and self.distill_topk_coef)
+        if has_teacher and not (self.distill_weight or self.reward_weight or topk_trains):
             bad(
                 "distill_weight",
                 "distill_weight and reward_weight are both 0: nothing would train.",
             )
+        for message in role_errors(self.roles, mode=self.mode, lora_rank=self.lora_rank):
+            bad("roles", message)
         for message in tracker_spec_errors(self.trackers):
             bad("trackers", message)
         if errors:
@@ -496,6 +522,29 @@ class RunConfig:
         if self.advantage != "auto":
             return self.advantage
         return "grpo" if self.mode == "dataset" and self.group_size > 1 else "reinforce_pp"
+
+
+def role_errors(roles: list, *, mode: str, lora_rank: int) -> list[str]:
+    """What is wrong with a run's ``roles``: names, count, and the mode and LoRA they need."""
+    if not roles:
+        return []
+    bad = [r for r in roles if not isinstance(r, str) or not ROLE_NAME.fullmatch(r)]
+    if bad:
+        return [
+            f"Role names are 1-32 lowercase letters, digits, '_' or '-', starting with a letter; got {bad!r}."
+        ]
+    out = []
+    if len(set(roles)) != len(roles):
+        out.append("Each role is named once.")
+    if len(roles) > MAX_ROLES:
+        out.append(f"A run trains at most {MAX_ROLES} roles; got {len(roles)}.")
+    if "default" in roles:
+        out.append('"default" is the name of a one-policy run\'s adapter; name the role otherwise.')
+    if mode != "online":
+        out.append("Roles are for online runs: agents name the role they play; set mode to online.")
+    if not lora_rank:
+        out.append("Each role trains its own LoRA adapter on base_model: set lora_rank above 0.")
+    return out
 
 
 def stored_setting(config: Mapping[str, Any], name: str) -> Any:

@@ -18,6 +18,7 @@ SETTING_GROUPS: dict[str, tuple[str, ...]] = {
         "lora_target_modules",
         "lora_dropout",
         "inference_pool",
+        "roles",
     ),
     "Optimisation": (
         "learning_rate",
@@ -87,6 +88,8 @@ SETTING_GROUPS: dict[str, tuple[str, ...]] = {
         "teacher_model",
         "teacher_tokenizer",
         "distill_weight",
+        "distill_topk",
+        "distill_topk_coef",
         "reward_weight",
         "self_distill",
         "hint_position",

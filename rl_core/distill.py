@@ -28,6 +28,9 @@ Teachers (run settings ``teacher_url``, ``teacher_api``):
 - ``openai``: any OpenAI-compatible ``/v1/completions`` that echoes a token-id prompt with its
   logprobs (``echo``, ``logprobs`` 0; vLLM's and SGLang's OpenAI servers do).
 
+With ``distill_topk`` k > 0 each teacher also returns its k likeliest tokens at every position
+(``Teacher.top_logprobs``, ``rl_core.distill_topk``) for the loss's forward-KL term.
+
 The teacher must share the student's tokenizer: it scores the student's token ids.
 ``check_tokenizer`` refuses a run whose teacher's tokenizer differs, naming both.
 """
@@ -44,6 +47,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import httpx
 
+from rl_core.distill_topk import (
+    TeacherTopK,
+    TopKUnsupported,
+    openai_rows,
+    sglang_rows,
+    topk_rows,
+    unsupported_message,
+    vllm_rows,
+)
 from rl_core.hints import HintPlacement, signal_of, unhinted
 from rl_core.types import Trajectory
 
@@ -61,12 +73,23 @@ class TeacherError(RuntimeError):
     """The teacher could not score a trajectory (after retries), or is not usable."""
 
 
+class TeacherUnsupported(TeacherError):
+    """The teacher cannot do what the run asks (top-k logprobs by id): no retry helps."""
+
+
 class Teacher(Protocol):
     name: str
 
     async def logprobs(self, input_ids: Sequence[int], adapter: str | None = None) -> list[float]:
         """``log p(input_ids[t] | input_ids[:t])`` for every ``t``; 0.0 at ``t = 0``
         (``adapter``: a LoRA adapter the server has loaded, to score under)."""
+        ...
+
+    async def top_logprobs(
+        self, input_ids: Sequence[int], k: int, adapter: str | None = None
+    ) -> TeacherTopK:
+        """``logprobs``' scores and, at every position, the teacher's ``k`` likeliest token
+        ids and their logprobs (one call); ``TeacherUnsupported`` where the server cannot."""
         ...
 
     async def tokenizer_path(self) -> str | None: ...
@@ -121,32 +144,56 @@ class SGLangTeacher(_HTTPTeacher):
     api = "sglang"
     _models_path = "/get_model_info"
 
-    async def logprobs(self, input_ids: Sequence[int], adapter: str | None = None) -> list[float]:
+    async def _prefill(self, input_ids: Sequence[int], adapter: str | None, k: int) -> dict:
         body: dict[str, Any] = {
             "input_ids": list(input_ids),
             "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
             "return_logprob": True,
             "logprob_start_len": 0,
         }
+        if k:
+            body["top_logprobs_num"] = k
         if adapter:
             body["lora_path"] = adapter
-        data = await self._post("/generate", body)
-        entries = data["meta_info"]["input_token_logprobs"]  # [[logprob | None, id, text?], ...]
+        return (await self._post("/generate", body))["meta_info"]
+
+    def _own(self, input_ids: Sequence[int], meta: dict) -> list[float]:
+        entries = meta["input_token_logprobs"]  # [[logprob | None, id, text?], ...]
         return _aligned(input_ids, [(e[0], e[1]) for e in entries], self.name)
+
+    async def logprobs(self, input_ids: Sequence[int], adapter: str | None = None) -> list[float]:
+        return self._own(input_ids, await self._prefill(input_ids, adapter, 0))
+
+    async def top_logprobs(
+        self, input_ids: Sequence[int], k: int, adapter: str | None = None
+    ) -> TeacherTopK:
+        meta = await self._prefill(input_ids, adapter, k)
+        return _with_topk(self.name, self._own(input_ids, meta), lambda: sglang_rows(meta), k)
 
 
 class VLLMTeacher(_HTTPTeacher):
     api = "vllm"
 
-    async def logprobs(self, input_ids: Sequence[int], adapter: str | None = None) -> list[float]:
+    async def _prefill(self, input_ids: Sequence[int], adapter: str | None, k: int) -> list:
         body: dict[str, Any] = {
             "token_ids": list(input_ids),
-            "sampling_params": {"max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0},
+            "sampling_params": {"max_tokens": 1, "temperature": 1.0, "prompt_logprobs": k},
         }
         if adapter:
             body["model"] = adapter  # a loaded adapter is named as a model
         data = await self._post("/inference/v1/generate", body)
-        rows = data.get("prompt_logprobs") or []
+        return data.get("prompt_logprobs") or []
+
+    async def logprobs(self, input_ids: Sequence[int], adapter: str | None = None) -> list[float]:
+        return self._own(input_ids, await self._prefill(input_ids, adapter, 0))
+
+    async def top_logprobs(
+        self, input_ids: Sequence[int], k: int, adapter: str | None = None
+    ) -> TeacherTopK:
+        rows = await self._prefill(input_ids, adapter, k)
+        return _with_topk(self.name, self._own(input_ids, rows), lambda: vllm_rows(rows, k), k)
+
+    def _own(self, input_ids: Sequence[int], rows: list) -> list[float]:
         pairs = []
         for token, row in zip(input_ids, rows, strict=False):
             entry = None if row is None else row.get(str(token), row.get(token))  # type: ignore[call-overload]
@@ -161,18 +208,34 @@ class OpenAITeacher(_HTTPTeacher):
     api = "openai"
     _models_path = "/models"
 
-    async def logprobs(self, input_ids: Sequence[int], adapter: str | None = None) -> list[float]:
-        body = {
+    async def _echo(self, input_ids: Sequence[int], adapter: str | None, k: int) -> dict:
+        body: dict[str, Any] = {
             "model": adapter or self.model,
             "prompt": list(input_ids),
             "max_tokens": 1,
             "echo": True,
-            "logprobs": 0,
+            "logprobs": k,
             "temperature": 1.0,
         }
-        data = await self._post("/completions", body)
-        values = data["choices"][0]["logprobs"]["token_logprobs"][: len(input_ids)]
+        if k:  # vLLM's extension: top_logprobs keyed "token_id:<id>" rather than by text
+            body["return_tokens_as_token_ids"] = True
+        return (await self._post("/completions", body))["choices"][0]["logprobs"]
+
+    def _own(self, input_ids: Sequence[int], logprobs: dict) -> list[float]:
+        values = logprobs["token_logprobs"][: len(input_ids)]
         return _aligned(input_ids, list(zip(values, input_ids, strict=False)), self.name)
+
+    async def logprobs(self, input_ids: Sequence[int], adapter: str | None = None) -> list[float]:
+        return self._own(input_ids, await self._echo(input_ids, adapter, 0))
+
+    async def top_logprobs(
+        self, input_ids: Sequence[int], k: int, adapter: str | None = None
+    ) -> TeacherTopK:
+        got = await self._echo(input_ids, adapter, k)
+        rows = (got.get("top_logprobs") or [])[: len(input_ids)]
+        if not any(rows):
+            raise TeacherUnsupported(unsupported_message(self.name, "it returned no top_logprobs"))
+        return _with_topk(self.name, self._own(input_ids, got), lambda: openai_rows(rows), k)
 
 
 def _aligned(
@@ -193,6 +256,22 @@ def _aligned(
             raise TeacherError(f"{name} gave no logprob for token {t}")
         out.append(0.0 if t == 0 else float(value))  # type: ignore[arg-type]
     return out
+
+
+def _with_topk(
+    name: str,
+    logprobs: list[float],
+    rows: Callable[[], list[list[tuple[float, int]] | None]],
+    k: int,
+) -> TeacherTopK:
+    """``logprobs`` with the top-k ``rows()`` read from the same answer."""
+    try:
+        ids, values = topk_rows(rows(), len(logprobs), k)
+    except TopKUnsupported as exc:
+        raise TeacherUnsupported(unsupported_message(name, str(exc))) from None
+    except ValueError as exc:
+        raise TeacherError(f"{name}: {exc}") from None
+    return TeacherTopK(logprobs, ids, values)
 
 
 def make_teacher(
@@ -230,6 +309,15 @@ class ServedModel:
         self._turn = itertools.count()
 
     async def logprobs(self, input_ids: Sequence[int], adapter: str | None = None) -> list[float]:
+        return await self._ask(lambda t, a: t.logprobs(input_ids, adapter=a), adapter)
+
+    async def top_logprobs(
+        self, input_ids: Sequence[int], k: int, adapter: str | None = None
+    ) -> TeacherTopK:
+        return await self._ask(lambda t, a: t.top_logprobs(input_ids, k, adapter=a), adapter)
+
+    async def _ask(self, call: Callable[[Any, str | None], Awaitable[Any]], adapter: str | None):
+        """``call(teacher, adapter)`` on the next server in turn."""
         urls = self._urls()
         if not urls:
             raise TeacherError(f"{self.name} has no inference server to score with")
@@ -238,7 +326,7 @@ class ServedModel:
             # One screened client for all servers (closed once, by aclose).
             self._teachers[url] = make_teacher(url, self._api, http=self._http)
         try:
-            return await self._teachers[url].logprobs(input_ids, adapter=adapter or self._adapter())
+            return await call(self._teachers[url], adapter or self._adapter())
         except httpx.TransportError:
             if self._refresh is not None:  # a restarted server: the scorer's retry finds it
                 await self._refresh()
@@ -296,10 +384,12 @@ async def connect_teacher(
         teacher = make_teacher(cfg.teacher_url, cfg.teacher_api, model=cfg.teacher_model, http=http)
     try:
         await verify_teacher(teacher, cfg.base_model, tokenizer, rules)
+        if cfg.distill_topk:  # a teacher that cannot give its top-k fails the run now
+            await teacher.top_logprobs([0, 1], cfg.distill_topk)
     except BaseException:
         await teacher.aclose()
         raise
-    return TeacherScorer(teacher)
+    return TeacherScorer(teacher, topk=cfg.distill_topk)
 
 
 @dataclass
@@ -309,7 +399,10 @@ class TeacherScorer:
 
     With ``hints`` (self-distillation, ``rl_core.hints``) only the trajectories with a hint are
     scored, each with its hint in the teacher's context, and ``on_signals`` receives what the
-    hints produced, by session (for the session page)."""
+    hints produced, by session (for the session page).
+
+    With ``topk`` (``distill_topk``) each trajectory also gets the teacher's top-k at every
+    position (``teacher_topk_ids`` / ``teacher_topk_logprobs``), from the same call."""
 
     teacher: Teacher
     concurrency: int = 8
@@ -317,6 +410,10 @@ class TeacherScorer:
     backoff_s: float = 0.5
     hints: HintPlacement | None = None
     on_signals: Callable[[dict[str, dict]], Awaitable[None]] | None = None
+    topk: int = 0
+    # The adapter each trajectory is scored under (a multi-agent run's self-distillation: its
+    # role's current one); None: the teacher's own choice.
+    adapter_for: Callable[[Trajectory], str | None] | None = None
 
     async def aclose(self) -> None:
         await self.teacher.aclose()
@@ -338,10 +435,11 @@ class TeacherScorer:
                     started = time.perf_counter()
                     try:
                         calls[0] += 1
-                        scores = await self.teacher.logprobs(input_ids)
-                        traj.teacher_logprobs = unhinted(scores, at, length) if length else scores
+                        await self._score_one(traj, input_ids, at, length)
                         seconds[0] += time.perf_counter() - started
                         return
+                    except TeacherUnsupported:
+                        raise
                     except (httpx.HTTPError, TeacherError, KeyError, TypeError) as exc:
                         seconds[0] += time.perf_counter() - started
                         if attempt == self.retries:
@@ -367,6 +465,20 @@ class TeacherScorer:
         if self.hints is not None:
             metrics["distill/hinted_trajectories"] = float(len(jobs))
         return metrics
+
+    async def _score_one(
+        self, traj: Trajectory, input_ids: list[int], at: int, length: int
+    ) -> None:
+        adapter = self.adapter_for(traj) if self.adapter_for is not None else None
+        kwargs = {"adapter": adapter} if adapter else {}
+        if not self.topk:
+            scores = await self.teacher.logprobs(input_ids, **kwargs)
+            traj.teacher_logprobs = unhinted(scores, at, length) if length else scores
+            return
+        got = await self.teacher.top_logprobs(input_ids, self.topk, **kwargs)
+        got = got.without(at, length) if length else got
+        traj.teacher_logprobs = got.logprobs
+        traj.teacher_topk_ids, traj.teacher_topk_logprobs = got.ids, got.topk_logprobs
 
     def _context(self, traj: Trajectory) -> tuple[list[int], int, int] | None:
         """What the teacher reads: the trajectory's tokens, or with its hint (None: no hint,

@@ -44,6 +44,7 @@ from rl_core.sampling import SAMPLING_EPS, outside_nucleus
 
 def load_model(path: str | os.PathLike, device: torch.device) -> Any:
     """The model at ``path`` (a model folder, or a run's full or LoRA checkpoint), for inference."""
+    lora.refuse_role_checkpoint(path, "evaluate")
     if lora.is_lora_checkpoint(path):
         from peft import PeftModel
 

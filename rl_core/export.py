@@ -60,6 +60,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike) -> 
     source, target = Path(checkpoint), Path(out)
     if not source.is_dir():
         raise FileNotFoundError(f"checkpoint directory {source} does not exist")
+    lora.refuse_role_checkpoint(source, "export")
     dtype = export_dtype(source)
     weights = Path(lora.base_weights_path(source))
     deltas = AdapterDeltas(source) if lora.is_lora_checkpoint(source) else None

@@ -68,16 +68,19 @@ def _chunk_scores(
     targets: torch.Tensor,  # [C]
     scale: torch.Tensor | float | None,  # [C, 1], a float, or None
     with_entropy: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    topk_ids: torch.Tensor | None = None,  # [C, k]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     logits = head(hidden).float()  # [C, V]
     if scale is not None:
         logits = logits / scale
     lse = torch.logsumexp(logits, dim=-1)  # [C]
     logprobs = logits.gather(-1, targets[:, None])[:, 0] - lse  # [C]
+    # The same distribution at other ids (a teacher's top-k: rl_core.loss.topk_forward_kl).
+    topk = logprobs.new_zeros(0) if topk_ids is None else logits.gather(-1, topk_ids) - lse[:, None]
     if not with_entropy:
-        return logprobs, logprobs.new_zeros(0)
+        return logprobs, logprobs.new_zeros(0), topk
     entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)  # [C]
-    return logprobs, entropy
+    return logprobs, entropy, topk
 
 
 def chunked_scores(
@@ -90,26 +93,31 @@ def chunked_scores(
     entropy_grad: bool,
     chunk_tokens: int,
     recompute: bool = True,
-) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
-    """``(logprobs [C], entropy [C] | None)`` of each ``chunk_tokens`` rows of ``hidden``:
-    ``log_softmax(head(hidden) / scale)`` at ``targets``. With gradients and ``recompute``,
-    each chunk's logits are recomputed in the backward (activation checkpointing) rather than
-    kept; ``recompute=False`` (rows that are logits already, ``head`` the identity) keeps them."""
+    topk_ids: torch.Tensor | None = None,  # [N, k]
+) -> Iterator[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
+    """``(logprobs [C], entropy [C] | None, topk [C, k] | None)`` of each ``chunk_tokens`` rows
+    of ``hidden``: ``log_softmax(head(hidden) / scale)`` at ``targets`` (and at ``topk_ids``,
+    the same distribution at k more ids per row, from the same chunk's logits). With gradients
+    and ``recompute``, each chunk's logits are recomputed in the backward (activation
+    checkpointing) rather than kept; ``recompute=False`` (rows that are logits already,
+    ``head`` the identity) keeps them."""
     grad = recompute and torch.is_grad_enabled() and (hidden.requires_grad or _has_grad(head))
     if not isinstance(scale, torch.Tensor) and scale == 1.0:
         scale = None
     for start in range(0, hidden.shape[0], chunk_tokens):
         rows = slice(start, start + chunk_tokens)
         chunk_scale = scale[rows] if isinstance(scale, torch.Tensor) else scale
-        args = (head, hidden[rows], targets[rows], chunk_scale, with_entropy)
+        chunk_ids = None if topk_ids is None else topk_ids[rows]
+        args = (head, hidden[rows], targets[rows], chunk_scale, with_entropy, chunk_ids)
         if grad:
-            logprobs, entropy = checkpoint(_chunk_scores, *args, use_reentrant=False)
+            logprobs, entropy, topk = checkpoint(_chunk_scores, *args, use_reentrant=False)
         else:
-            logprobs, entropy = _chunk_scores(*args)
+            logprobs, entropy, topk = _chunk_scores(*args)
         if not with_entropy:
-            yield logprobs, None
-        else:
-            yield logprobs, entropy if entropy_grad else entropy.detach()
+            entropy = None
+        elif not entropy_grad:
+            entropy = entropy.detach()
+        yield logprobs, entropy, None if topk_ids is None else topk
 
 
 def _has_grad(module: torch.nn.Module) -> bool:

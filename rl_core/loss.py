@@ -196,3 +196,65 @@ def ppo_loss(
         if kl is not None:
             stats["ppo/kl_ref"] = ((kl.detach() * m).sum() / n_tokens).item()
     return loss, stats
+
+
+def topk_forward_kl(
+    student_topk_logprobs: torch.Tensor,
+    teacher_topk_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    seq_ids: torch.Tensor | None = None,
+    loss_agg: str = "token_mean",
+    normalizer: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Forward KL from the teacher to the student on the teacher's top-k tokens; ``(loss, stats)``.
+
+    Per trained token ``t``, with ``S_t`` the teacher's ``k`` likeliest tokens there::
+
+        KL_t = sum_{i in S_t} p_T(i) * (log p_T(i) - log p_S(i))
+
+    Not renormalised: ``log p_S`` is the student's full-vocabulary logprob (a softmax over
+    every token) and ``p_T`` the teacher's own probabilities, which sum to the top-k's mass
+    ``m_t <= 1``. This is NeMo-RL's ``DistillationLossFn`` with ``kl_type="forward"`` and
+    ``zero_outside_topk=True`` (the teacher's tail dropped), the dense top-k supervision of
+    GKD (Agarwal et al. 2024) and Thinking Machines' "On-Policy Distillation" (2025). Its
+    gradient ``-sum_i p_T(i) * grad log p_S(i)`` raises the teacher's likely tokens whether or
+    not the student sampled them, and through the softmax lowers everything else; renormalising
+    over the top-k (NeMo-RL's default) would leave the student's mass outside them untouched.
+    ``KL_t`` is 0 where the student equals the teacher and at least ``m_t log m_t >= -1/e``.
+
+    ``student_topk_logprobs``, ``teacher_topk_logprobs``: ``[T, k]`` (the student's carry
+    gradients); a teacher entry of ``-inf`` is padding (weight 0). ``mask``: ``[T]`` trained
+    tokens. Aggregated as ``ppo_loss`` aggregates (``loss_agg``, ``seq_ids``, ``normalizer``),
+    so that added to it the term has the same per-token weight.
+    """
+    student = student_topk_logprobs.float()  # [T, k]
+    teacher = teacher_topk_logprobs.detach().float()  # [T, k]
+    present = torch.isfinite(teacher)  # [T, k]
+    teacher = torch.where(present, teacher, 0.0)
+    p_teacher = torch.where(present, teacher.exp(), 0.0)  # [T, k]
+    per_token = (p_teacher * (teacher - student)).sum(-1)  # [T]
+    m = mask.reshape(-1).bool()  # [T]
+    per_token = torch.where(m, per_token, 0.0)
+    n_tokens = int(m.sum())
+    if n_tokens == 0:
+        return (student * 0.0).sum(), {}
+    if loss_agg == "seq_mean":
+        if seq_ids is None:
+            raise ValueError("loss_agg='seq_mean' needs seq_ids")
+        n_seq = int(seq_ids.max()) + 1
+        tokens_per_seq = _segment_sum(m.float(), seq_ids, n_seq)  # [S]
+        seq_loss = _segment_sum(per_token, seq_ids, n_seq) / tokens_per_seq.clamp(min=1)  # [S]
+        denom = normalizer if normalizer is not None else float((tokens_per_seq > 0).sum())
+        loss = seq_loss.sum() / max(denom, 1.0)
+    elif loss_agg == "token_mean":
+        denom = normalizer if normalizer is not None else float(n_tokens)
+        loss = per_token.sum() / max(denom, 1.0)
+    else:
+        raise ValueError(f"unknown loss_agg {loss_agg!r}; use token_mean or seq_mean")
+    with torch.no_grad():
+        stats = {
+            "distill/topk_forward_kl": float(per_token.sum()) / n_tokens,
+            "distill/topk_teacher_mass": float(p_teacher.sum(-1)[m].sum()) / n_tokens,
+        }
+    return loss, stats

@@ -91,10 +91,11 @@ def pack(
 ) -> PackedBatch:
     """Pack ``trajectories[i]`` for ``i`` in ``indices`` (all by default) into one row.
 
-    ``extra[name][i]`` is a per-token tensor ``[L_i]`` of trajectory ``i`` (indexed like
-    ``trajectories``), concatenated into ``batch.extra[name]`` ``[T]``. ``tree``: also lay
-    the sequences out as a prefix tree when they share a prefix (``batch.tree``); the
-    per-token tensors stay flat.
+    ``extra[name][i]`` is a per-token tensor ``[L_i]`` (or ``[L_i, k]``) of trajectory ``i``
+    (indexed like ``trajectories``), concatenated into ``batch.extra[name]`` ``[T]`` (``[T, k]``).
+    ``tree``: also lay the sequences out as a prefix tree when they share a prefix
+    (``batch.tree``); the per-token tensors stay flat. Tokens whose ``extra["teacher_topk_ids"]``
+    rows differ do not merge (their top-k logprobs are of other ids).
     """
     idx = list(range(len(trajectories))) if indices is None else list(indices)
     if not idx:
@@ -111,7 +112,14 @@ def pack(
             [x for t in trajs for x in (t.temperatures or [1.0] * len(t.input_ids))],
             dtype=torch.float32,
         )  # [T]
-    layout = _tree([t.input_ids for t in trajs], temperatures, lengths.tolist()) if tree else None
+    extras = {
+        name: torch.cat([_per_token_extra(vals[i]) for i in idx])
+        for name, vals in (extra or {}).items()
+    }
+    layout = None
+    if tree:
+        seqs = [t.input_ids for t in trajs]
+        layout = _tree(seqs, temperatures, lengths.tolist(), extras.get("teacher_topk_ids"))
     return PackedBatch(
         tree=layout,
         input_ids=torch.tensor([[x for t in trajs for x in t.input_ids]], dtype=torch.long),
@@ -121,23 +129,30 @@ def pack(
         loss_mask=mask,
         logprobs=torch.tensor([x for t in trajs for x in t.logprobs], dtype=torch.float32),
         indices=idx,
-        extra={
-            name: torch.cat([torch.as_tensor(vals[i]).reshape(-1) for i in idx])
-            for name, vals in (extra or {}).items()
-        },
+        extra=extras,
         temperatures=temperatures,
         lengths=lengths.tolist(),
     )
 
 
+def _per_token_extra(values: Any) -> torch.Tensor:
+    tensor = torch.as_tensor(values)
+    return tensor if tensor.dim() > 1 else tensor.reshape(-1)  # [L] or [L, k]
+
+
 def _tree(
-    seqs: list[list[int]], temperatures: torch.Tensor | None, lengths: list[int]
+    seqs: list[list[int]],
+    temperatures: torch.Tensor | None,
+    lengths: list[int],
+    topk_ids: torch.Tensor | None = None,  # [T, k]
 ) -> prefix_tree.TreeLayout | None:
     """The sequences' prefix tree, or None where they share nothing. Tokens scored at
-    different temperatures do not merge (their logprobs differ)."""
+    different temperatures, or at other top-k ids, do not merge (their scores differ)."""
     keys = None
-    if temperatures is not None:
-        _, codes = torch.unique(temperatures, return_inverse=True)  # [T]
+    if temperatures is not None or topk_ids is not None:
+        columns = [] if temperatures is None else [temperatures[:, None].double()]
+        columns += [] if topk_ids is None else [topk_ids.double()]
+        _, codes = torch.unique(torch.cat(columns, 1), dim=0, return_inverse=True)  # [T]
         keys = [c.tolist() for c in codes.split(lengths)]
     layout = prefix_tree.build(seqs, keys)
     return layout if layout.num_tokens < sum(lengths) else None
@@ -209,12 +224,42 @@ def packed_logprobs(
     or kept. False (or a model whose logits are not a plain projection): the model's own
     ``[T, V]`` logits, scored chunk by chunk (what the benchmarks call "today").
     """
+    logprobs, entropy, _ = packed_scores(
+        model,
+        batch,
+        temperature=temperature,
+        with_entropy=with_entropy,
+        entropy_grad=entropy_grad,
+        chunk_tokens=chunk_tokens,
+        from_hidden=from_hidden,
+    )
+    return logprobs, entropy
+
+
+def packed_scores(
+    model: torch.nn.Module,
+    batch: PackedBatch,
+    *,
+    topk_ids: torch.Tensor | None = None,  # [T, k]
+    temperature: float | None = None,
+    with_entropy: bool = False,
+    entropy_grad: bool = True,
+    chunk_tokens: int = 1024,
+    from_hidden: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``packed_logprobs``, and with ``topk_ids`` (``[T, k]``: ``k`` token ids per position,
+    a teacher's top-k) the same distribution's logprobs at those ids: ``(logprobs [T],
+    entropy [T] | None, topk [T, k] | None)``. Row ``t`` of ``topk`` is scored where token
+    ``t`` is (the logits at ``t - 1``, its temperature), from the same chunk's logits: no
+    ``[T, V]`` tensor beyond a chunk, gradients flowing as the logprobs' do; each sequence's
+    first row is 0."""
     attention = getattr(model.config, "_attn_implementation", None)
     if batch.tree is not None and attention == PACKED_ATTENTION:
         return _tree_logprobs(
             model,
             batch,
             batch.tree,
+            topk_ids=topk_ids,
             temperature=temperature,
             with_entropy=with_entropy,
             entropy_grad=entropy_grad,
@@ -233,7 +278,7 @@ def packed_logprobs(
     temps = None if temperature is not None or batch.temperatures is None else batch.temperatures
     scale = temps[1:, None] if temps is not None else temperature  # [T-1, 1] | float | None
     rows, head, recompute = _rows(model, ids, kwargs, from_hidden)  # [T, H | V]
-    lps, ents = _scored(
+    lps, ents, tops = _scored(
         head,
         rows[:-1],  # row t → token t+1
         targets,
@@ -242,18 +287,24 @@ def packed_logprobs(
         entropy_grad=entropy_grad,
         chunk_tokens=chunk_tokens,
         recompute=recompute,
+        topk_ids=None if topk_ids is None else topk_ids[1:],  # [T-1, k]
     )
-    return _per_token(batch, lps, ents, with_entropy)
+    return _per_token(batch, lps, ents, tops, with_entropy)
 
 
-def _scored(*args: Any, **kwargs: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """``chunked_scores`` collected: each chunk's logprobs ``[C]``, and entropies if asked."""
-    lps, ents = [], []
-    for logprobs, entropy in chunked_scores(*args, **kwargs):
+def _scored(
+    *args: Any, **kwargs: Any
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """``chunked_scores`` collected: each chunk's logprobs ``[C]``, and entropies and top-k
+    logprobs ``[C, k]`` if asked."""
+    lps, ents, tops = [], [], []
+    for logprobs, entropy, topk in chunked_scores(*args, **kwargs):
         lps.append(logprobs)  # [C]
         if entropy is not None:
             ents.append(entropy)  # [C]
-    return lps, ents
+        if topk is not None:
+            tops.append(topk)  # [C, k]
+    return lps, ents, tops
 
 
 def _rows(
@@ -278,12 +329,13 @@ def _tree_logprobs(
     batch: PackedBatch,
     tree: prefix_tree.TreeLayout,
     *,
+    topk_ids: torch.Tensor | None,  # [T, k]
     temperature: float | None,
     with_entropy: bool,
     entropy_grad: bool,
     chunk_tokens: int,
     from_hidden: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``packed_logprobs`` over the batch's prefix tree: the forward runs over the tree's
     ``N`` tokens; each tree token is scored once, from the row of the token before it in
     its sequences, and every flat token takes its tree token's score (``[T]`` tensors as
@@ -297,7 +349,12 @@ def _tree_logprobs(
         temps = batch.temperatures.new_ones(tree.num_tokens)  # [N]
         temps[tree.flat_index] = batch.temperatures  # merged tokens share their temperature
         scale = temps[scored, None]  # [P, 1]
-    lps, ents = _scored(
+    tree_topk = None
+    if topk_ids is not None:  # merged tokens share their ids (pack keys the tree by them)
+        tree_topk = topk_ids.new_zeros(tree.num_tokens, topk_ids.shape[1])  # [N, k]
+        tree_topk[tree.flat_index] = topk_ids
+        tree_topk = tree_topk[scored]  # [P, k]
+    lps, ents, tops = _scored(
         head,
         rows[tree.pred[scored]],  # [P, H | V]
         tree.input_ids[0, scored],  # [P]
@@ -306,6 +363,7 @@ def _tree_logprobs(
         entropy_grad=entropy_grad,
         chunk_tokens=chunk_tokens,
         recompute=recompute,
+        topk_ids=tree_topk,
     )
     # Tree token -> its score's place; each root's first token (a sequence's first) -> 0.
     slot = torch.full((tree.num_tokens,), len(scored), device=scored.device)  # [N]
@@ -314,15 +372,27 @@ def _tree_logprobs(
     zero = batch.logprobs.new_zeros(1)
     logprobs = torch.cat([*lps, zero])[flat_slot]  # [T]
     entropy = torch.cat([*ents, zero])[flat_slot] if with_entropy else None  # [T]
-    return logprobs, entropy
+    topk = None
+    if topk_ids is not None:
+        topk = torch.cat([*tops, zero.new_zeros(1, topk_ids.shape[1])])[flat_slot]  # [T, k]
+    return logprobs, entropy, topk
 
 
 def _per_token(
-    batch: PackedBatch, lps: list[torch.Tensor], ents: list[torch.Tensor], with_entropy: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The chunks' scores as ``[T]`` tensors, 0 at each sequence's first token."""
+    batch: PackedBatch,
+    lps: list[torch.Tensor],
+    ents: list[torch.Tensor],
+    tops: list[torch.Tensor],
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The chunks' scores as ``[T]`` (top-k: ``[T, k]``) tensors, 0 at each sequence's first
+    token."""
     starts = batch.cu_seqlens[:-1].long().to(batch.logprobs.device)  # [S]
     zero = batch.logprobs.new_zeros(1)
     logprobs = torch.cat([zero, *lps]).index_fill(0, starts, 0.0)  # [T]
     entropy = torch.cat([zero, *ents]).index_fill(0, starts, 0.0) if with_entropy else None  # [T]
-    return logprobs, entropy
+    topk = None
+    if tops:
+        first = zero.new_zeros(1, tops[0].shape[1])
+        topk = torch.cat([first, *tops]).index_fill(0, starts, 0.0)  # [T, k]
+    return logprobs, entropy, topk

@@ -79,7 +79,10 @@ def build(seqs: Sequence[Sequence[int]], keys: Sequence[Sequence[int]] | None = 
     if not seqs:
         raise ValueError("cannot build a tree of no sequences")
     arrays = [np.asarray(s, dtype=np.int64) for s in seqs]
-    match = arrays if keys is None else [_keyed(a, k) for a, k in zip(arrays, keys, strict=True)]
+    match = arrays
+    if keys is not None:
+        base = 1 + max((max(k, default=0) for k in keys), default=0)
+        match = [_keyed(a, k, base) for a, k in zip(arrays, keys, strict=True)]
     order = sorted(range(len(seqs)), key=lambda i: match[i].tolist())
 
     nodes: list[_Node] = []
@@ -153,9 +156,9 @@ def tree_tokens(seqs: Sequence[Sequence[int]]) -> int:
     return total
 
 
-def _keyed(ids: np.ndarray, key: Sequence[int]) -> np.ndarray:
-    """Token ids and a small per-token key as one comparable int64 per token."""
-    return ids * 4096 + np.asarray(key, dtype=np.int64)
+def _keyed(ids: np.ndarray, key: Sequence[int], base: int) -> np.ndarray:
+    """Token ids and a per-token key (``0 <= key < base``) as one comparable int64 per token."""
+    return ids * base + np.asarray(key, dtype=np.int64)
 
 
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:

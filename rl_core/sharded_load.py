@@ -197,8 +197,6 @@ def _with_adapter(model: Any, base: str, cfg: RunConfig) -> Any:
     peft moves a new adapter to its base layer's device: while it runs, the base weights are
     stand-ins on the CPU with one element of storage each, so the adapter stays real.
     """
-    from peft import get_peft_model
-
     stand_ins: dict[int, torch.nn.Parameter] = {}
     originals: dict[int, torch.nn.Parameter] = {}
     slots = []
@@ -212,13 +210,12 @@ def _with_adapter(model: Any, base: str, cfg: RunConfig) -> Any:
                 originals[id(stand_ins[id(p)])] = p
             module._parameters[key] = stand_ins[id(p)]
             slots.append((module, key))
-    model = get_peft_model(model, lora.lora_config(cfg))
+    model = lora.with_adapters(model, cfg, base)  # (a multi-agent run: one per role)
     for module, key in slots:
         stand_in = module._parameters[key]
         original = originals[id(stand_in)]
         original.requires_grad_(stand_in.requires_grad)  # peft froze the base
         module._parameters[key] = original
-    lora.record_base(model, base)
     return model
 
 

@@ -154,3 +154,31 @@ def say_the_asked_letter_reward_fn(
         return reward
     wrong = sum(ch in DEMO_LETTERS and ch != answer for ch in text) / len(text)
     return reward - DEMO_WRONG_LETTER_PENALTY * wrong
+
+
+# --------------------------------------------------------------------------- a two-role game
+
+# The speaker/listener game of multi-agent runs (issue 38; bench/multi_agent.py and
+# tests/e2e/test_multi_agent_runs.py): the speaker sees a target letter and says one word; the
+# listener sees only that word and must name the letter. Both roles get the listener's score,
+# so the speaker learns only through what the listener makes of its word.
+GAME_LETTERS = DEMO_LETTERS
+
+
+def speaker_prompt(target: str) -> str:
+    return f"Target: {target}. Say one word that tells it."
+
+
+def listener_prompt(word: str) -> str:
+    return f"The word is: {word.strip()[:16]}. Which letter?"
+
+
+def listener_score(answer: str, target: str) -> float:
+    """The demo task's credit for naming ``target`` (the other game letter costs a little)."""
+    return say_the_asked_letter_reward_fn("", answer, target)
+
+
+def listener_named(answer: str, target: str) -> bool:
+    """Success: the answer holds more of ``target`` than of any other game letter."""
+    counts = {letter: answer.count(letter) for letter in GAME_LETTERS}
+    return counts[target] > 0 and all(n < counts[target] for k, n in counts.items() if k != target)

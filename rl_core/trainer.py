@@ -35,13 +35,22 @@ from rl_core.attention import packed_attention_implementation
 from rl_core.config import RunConfig
 from rl_core.correction import MismatchMeter, correct, keeps_denominator
 from rl_core.distill import distill_advantages
+from rl_core.distill_topk import TOPK_IDS, TOPK_LOGPROBS, topk_extras
 from rl_core.distributed import rank_micro_batches, tree_rank_micro_batches
 from rl_core.failpoints import failpoint
 from rl_core.hf import config_dtype
-from rl_core.loss import LossConfig, ppo_loss
+from rl_core.loss import LossConfig, ppo_loss, topk_forward_kl
 from rl_core.memory import PeakMemory, enable_activation_checkpointing, resolve_precision
 from rl_core.metrics import PhaseTimer, StatsAccumulator, logprob_gap
-from rl_core.packing import PackedBatch, pack, packed_logprobs
+from rl_core.packing import PackedBatch, pack, packed_logprobs, packed_scores
+from rl_core.roles import (
+    RoleStats,
+    params_by_role,
+    part_stats,
+    role_rollout_stats,
+    rollout_stats,
+    split_by_role,
+)
 from rl_core.sharded_load import load_sharded
 from rl_core.trainer_saving import TrainerSaving
 from rl_core.types import Trajectory
@@ -126,6 +135,8 @@ class PPOTrainer(TrainerSaving):
             )
 
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        # A multi-agent run's adapters (rl_core.roles): each role's step clips and reduces its own.
+        self.role_params = params_by_role(self.model, cfg.roles)
         self.optimizer = torch.optim.AdamW(
             self.params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay
         )
@@ -171,7 +182,9 @@ class PPOTrainer(TrainerSaving):
         Every token in ``loss_mask`` is trained: the caller masks stale tokens and drops
         trajectories with nothing fresh first (``rl_core.loop`` does, with
         ``rl_core.staleness.mask_stale``). ``staleness/max`` and ``staleness/mean``
-        report how many versions behind the batch's oldest tokens are.
+        report how many versions behind the batch's oldest tokens are. A multi-agent run
+        (``cfg.roles``) updates each role's adapter from its own trajectories, one role after
+        the other, and adds ``roles/<role>/...`` statistics (``rl_core.roles``).
         """
         if not trajectories:
             raise ValueError("train_step needs at least one trajectory")
@@ -180,18 +193,71 @@ class PPOTrainer(TrainerSaving):
         memory = PeakMemory(self.device).start()
         started = time.perf_counter()
         batch = list(trajectories)
-        lags = [self.version - t.oldest_version for t in batch]
-        rewards = torch.tensor([t.reward(cfg.turn_discount) for t in batch])  # [N]
-        stats: dict[str, float] = {
-            "staleness/max": float(max(lags)),
-            "staleness/mean": sum(lags) / len(lags),
-            "rollout/num_trajectories": float(len(batch)),
-            "rollout/reward": rewards.mean().item(),
-            "rollout/reward_std": rewards.std().item() if len(batch) > 1 else 0.0,
-            "rollout/response_tokens": sum(t.num_generated for t in batch) / len(batch),
-            "rollout/seq_len": sum(len(t.input_ids) for t in batch) / len(batch),
-        }
+        parts = split_by_role(batch, cfg.roles)  # [("", batch)] in a one-policy run
+        stats = rollout_stats(batch, self.version, cfg.turn_discount)
+        acc = StatsAccumulator()
+        role_stats = RoleStats(acc)
+        mismatch = MismatchMeter(
+            cfg.behav_imp_weight_cap, cfg.correction_ratio_low, cfg.correction_ratio_high
+        )
+        lr = float(self.scheduler.get_last_lr()[0])
+        updates = []  # per part: (advantage stats, minibatch losses, grad norms, skipped steps)
+        for role, part in parts:
+            if role:
+                stats.update(role_rollout_stats(role, part, self.version, cfg.turn_discount))
+            with lora.active_adapter(self.model, role):
+                updates.append(
+                    self._update(
+                        part, timer, role_stats.for_role(role), mismatch,
+                        self.role_params.get(role, self.params),
+                    )
+                )  # fmt: skip
+        losses = [loss for u in updates for loss in u[1]]
+        grad_norms = [norm for u in updates for norm in u[2]]
+        skipped = sum(u[3] for u in updates)
 
+        with timer.phase("scheduler"):
+            self.scheduler.step()
+            self.version += 1
+
+        with timer.phase("reduce_stats"):
+            stats.update(acc.result(reduce_across_ranks=self.distributed))
+            stats.update(mismatch.result(_gather_objects if self.distributed else None))
+            stats.pop("ppo/n_tokens", None)
+            stats.update(role_stats.role_results(reduce_across_ranks=self.distributed))
+            loss_t = torch.tensor(losses, dtype=torch.float64, device=self._collective_device())
+            if self.distributed:  # each rank holds its shard's part of every minibatch loss
+                dist.all_reduce(loss_t)
+            stats.update(part_stats(parts, updates, loss_t.tolist()))
+        elapsed = time.perf_counter() - started
+        tokens = sum(len(t.input_ids) for t in batch)
+        stats.update(
+            {
+                "ppo/loss": loss_t.mean().item(),
+                "ppo/grad_norm": sum(grad_norms) / len(grad_norms),
+                "ppo/skipped_steps": float(skipped),
+                "ppo/lr": lr,
+                "perf/tokens_per_s": tokens / elapsed,
+                "perf/step_s": elapsed,
+                "perf/peak_memory_gb": memory.peak_gb(),
+                "version": float(self.version),
+                **timer.stats(),
+            }
+        )
+        return stats
+
+    def _update(
+        self,
+        batch: list[Trajectory],
+        timer: PhaseTimer,
+        acc: Any,
+        mismatch: MismatchMeter,
+        params: list[torch.nn.Parameter],
+    ) -> tuple[dict[str, float], list[float], list[float], int]:
+        """The optimizer steps of one batch (a multi-agent run: of one role, its adapter
+        active, ``params`` its adapter's); its advantage statistics, minibatch losses,
+        gradient norms and skipped steps."""
+        cfg = self.cfg
         with timer.phase("advantages"):
             advantages, adv_stats = token_advantages(
                 batch, cfg.resolved_advantage, cfg.turn_discount
@@ -207,17 +273,12 @@ class PPOTrainer(TrainerSaving):
                 advantages = distill_advantages(
                     batch, advantages, cfg.reward_weight, cfg.distill_weight
                 )
-        stats.update(adv_stats)
 
         with timer.phase("pack"):
             plan, (computed, flat) = self._plan(batch, advantages)
 
-        acc = StatsAccumulator()
         # The tokens the model runs over per packed token: below 1 where prefix trees share.
         acc.add({"perf/computed_tokens_per_token": computed / max(flat, 1)}, weight=flat)
-        mismatch = MismatchMeter(
-            cfg.behav_imp_weight_cap, cfg.correction_ratio_low, cfg.correction_ratio_high
-        )
         with timer.phase("proximal_logprobs"), torch.no_grad(), self._autocast():
             for _, micro in plan:
                 for mb in micro:
@@ -241,7 +302,6 @@ class PPOTrainer(TrainerSaving):
                 plan = self._recounted(plan)  # what the correction masked leaves the denominator
 
         losses, grad_norms, skipped = [], [], 0
-        lr = float(self.scheduler.get_last_lr()[0])
         for normalizer, micro in plan:
             loss_sum = 0.0
             with timer.phase("forward_backward"):
@@ -254,9 +314,9 @@ class PPOTrainer(TrainerSaving):
             losses.append(loss_sum)
             with timer.phase("optimizer_step"):
                 if self.distributed and not self.fsdp:  # FSDP2 reduced them in backward
-                    self._all_reduce_grads()
+                    self._all_reduce_grads(params)
                 max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm).item()
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm).item()
                 failpoint("train_step", self.version + 1)
                 if math.isfinite(grad_norm):
                     self.optimizer.step()
@@ -268,34 +328,7 @@ class PPOTrainer(TrainerSaving):
                     )
                 self.optimizer.zero_grad(set_to_none=True)
                 grad_norms.append(grad_norm)
-
-        with timer.phase("scheduler"):
-            self.scheduler.step()
-            self.version += 1
-
-        with timer.phase("reduce_stats"):
-            stats.update(acc.result(reduce_across_ranks=self.distributed))
-            stats.update(mismatch.result(_gather_objects if self.distributed else None))
-            stats.pop("ppo/n_tokens", None)
-            loss_t = torch.tensor(losses, dtype=torch.float64, device=self._collective_device())
-            if self.distributed:  # each rank holds its shard's part of every minibatch loss
-                dist.all_reduce(loss_t)
-        elapsed = time.perf_counter() - started
-        tokens = sum(len(t.input_ids) for t in batch)
-        stats.update(
-            {
-                "ppo/loss": loss_t.mean().item(),
-                "ppo/grad_norm": sum(grad_norms) / len(grad_norms),
-                "ppo/skipped_steps": float(skipped),
-                "ppo/lr": lr,
-                "perf/tokens_per_s": tokens / elapsed,
-                "perf/step_s": elapsed,
-                "perf/peak_memory_gb": memory.peak_gb(),
-                "version": float(self.version),
-                **timer.stats(),
-            }
-        )
-        return stats
+        return adv_stats, losses, grad_norms, skipped
 
     def _plan(
         self, batch: list[Trajectory], advantages: list[torch.Tensor]
@@ -339,7 +372,8 @@ class PPOTrainer(TrainerSaving):
                 groups, most = rank_micro_batches(
                     lengths, self.world_size, self.rank, cfg.micro_batch_tokens
                 )
-            extra = {"advantages": advantages, "versions": versions}
+            # The teacher's top-k (distill_topk), [L_i, k] each, when the batch has it.
+            extra = {"advantages": advantages, "versions": versions, **topk_extras(batch)}
             micro = [
                 pack(batch, [members[j] for j in g], extra=extra, tree=cfg.prefix_tree).to(
                     self.device
@@ -383,14 +417,16 @@ class PPOTrainer(TrainerSaving):
     def _micro_batch_loss(
         self, mb: PackedBatch, normalizer: float
     ) -> tuple[torch.Tensor, dict[str, float]]:
+        topk_ids = mb.extra.get(TOPK_IDS)  # [T, k]: the teacher's top-k (distill_topk)
         with self._autocast():
-            logprobs, entropy = packed_logprobs(
+            logprobs, entropy, topk = packed_scores(
                 self.model,
                 mb,
+                topk_ids=topk_ids,
                 with_entropy=True,
                 entropy_grad=self.loss_cfg.entropy_coef > 0,
             )
-        return ppo_loss(
+        loss, stats = ppo_loss(
             logprobs,  # [T]
             mb.extra.get("proximal", mb.logprobs),  # [T]
             mb.logprobs,  # [T]
@@ -402,15 +438,23 @@ class PPOTrainer(TrainerSaving):
             seq_ids=mb.seq_ids,
             normalizer=normalizer,
         )
+        if topk is not None and self.cfg.distill_topk_coef > 0:
+            kl, kl_stats = topk_forward_kl(
+                topk, mb.extra[TOPK_LOGPROBS], mb.loss_mask, seq_ids=mb.seq_ids,
+                loss_agg=self.loss_cfg.loss_agg, normalizer=normalizer,
+            )  # fmt: skip
+            loss = loss + self.cfg.distill_topk_coef * kl
+            stats.update(kl_stats)
+        return loss, stats
 
-    def _all_reduce_grads(self) -> None:
+    def _all_reduce_grads(self, params: list[torch.nn.Parameter]) -> None:
         """Sum gradients over ranks, a bucket of about 32M values at a time.
 
         Manual rather than a DDP wrapper: a rank whose shard of a minibatch is empty
         (batch smaller than the world) still joins, with zero gradients.
         """
         bucket: list[torch.Tensor] = []
-        for p in self.params:
+        for p in params:  # (a multi-agent run: the active role's; the others keep no gradient)
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             bucket.append(p.grad)

@@ -70,13 +70,14 @@ class TrainerSaving:
         entries = serving_entries(self.model, self.save_dtype, is_lora=self.lora)
         return self._save(Path(path), None, self.save_dtype, extra=None, streamed=entries)
 
-    def save_adapter(self, path: str | os.PathLike) -> str:
+    def save_adapter(self, path: str | os.PathLike, role: str = "") -> str:
         """A LoRA run's adapter alone (peft format), for the servers' ``/load_lora_adapter``
-        (``rl_core.adapter_sync``). Rank 0 writes; every rank must call it."""
+        (``rl_core.adapter_sync``); a multi-agent run's: ``role``'s (every role's in
+        ``roles/<role>/`` when ``role`` is ""). Rank 0 writes; every rank must call it."""
         if not self.lora:
             raise ValueError("save_adapter needs a LoRA run (lora_rank > 0)")
         adapter = full_model_state(self.model, trainable_only=True) if self.fsdp else None
-        return self._save(Path(path), None, torch.float32, extra=None, adapter=adapter)
+        return self._save(Path(path), None, torch.float32, extra=None, adapter=adapter, role=role)
 
     def save_checkpoint(self, path: str | os.PathLike) -> str:
         """Everything needed to resume exactly: float32 weights (a LoRA run's: the adapter
@@ -160,11 +161,13 @@ class TrainerSaving:
         *,
         streamed: list[Entry] | None = None,
         optimizer: bool = False,
+        role: str = "",
     ) -> str:
         """An HF model folder + tokenizer + ``extra``, written beside ``path`` and swapped in, so
         a crash never leaves a half-written directory. The weights: ``streamed`` (entries
         written by the ranks in turn), else ``state`` (rank 0's), else the LoRA adapter (from
-        ``adapter`` when the model is sharded). ``optimizer``: the optimizer's shards too."""
+        ``adapter`` when the model is sharded; ``role``: a multi-agent run's one role).
+        ``optimizer``: the optimizer's shards too."""
         tmp = path.with_name(path.name + ".tmp")
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -182,7 +185,7 @@ class TrainerSaving:
             if streamed is not None:
                 write_config(self.model, tmp, dtype)
             elif state is None:
-                lora.save_adapter(self.model, tmp, adapter)
+                lora.save_adapter(self.model, tmp, adapter, role)
             else:
                 lora.hf_model(self.model).save_pretrained(tmp, state_dict=state)
                 record_dtype(tmp / "config.json", dtype)

@@ -38,12 +38,27 @@ class Trajectory:
     # A teacher's logprob of each token in its context (on-policy distillation, rl_core.distill):
     # set by the loop before the step when the run has a teacher; 0.0 for the first token.
     teacher_logprobs: list[float] | None = None
+    # The teacher's top-k at each position (``distill_topk``, rl_core.distill_topk): ``[T][k]``
+    # token ids and their logprobs, for the forward-KL term; set beside teacher_logprobs, kept
+    # in memory only (not in to_dict: the job's trainer receives trajectories as objects).
+    teacher_topk_ids: list[list[int]] | None = None
+    teacher_topk_logprobs: list[list[float]] | None = None
+    # A multi-agent run's role whose adapter produced the trained tokens (RunConfig.roles);
+    # "" in a one-policy run.
+    role: str = ""
 
     def __post_init__(self) -> None:
         n = len(self.input_ids)
         per_token = ("loss_mask", "logprobs", "versions")
         optional = tuple(
-            k for k in ("temperatures", "teacher_logprobs") if getattr(self, k) is not None
+            k
+            for k in (
+                "temperatures",
+                "teacher_logprobs",
+                "teacher_topk_ids",
+                "teacher_topk_logprobs",
+            )
+            if getattr(self, k) is not None
         )
         for name in per_token + optional:
             if len(getattr(self, name)) != n:
@@ -129,6 +144,7 @@ class Trajectory:
             "temperatures": None
             if self.temperatures is None
             else [float(x) for x in self.temperatures],
+            "role": self.role,
         }
 
     @classmethod
@@ -148,6 +164,7 @@ class Trajectory:
             "turn_ends",
             "metadata",
             "temperatures",
+            "role",
         }
         unknown = sorted(set(data) - known)
         if unknown:

@@ -27,6 +27,7 @@
   const items = {};                             // name -> {name, kind, where, el, plot?, ...}
   const headlineEl = root.querySelector(".headline");
   const keyEl = document.getElementById("key-charts");
+  const rolesEl = document.getElementById("role-charts");  // a multi-agent run's: a column per role
   const groupsEl = document.getElementById("metric-groups");
   const filterEl = document.getElementById("metric-filter");
   const view = {
@@ -93,6 +94,11 @@
     } catch { return {pinned: [], unpinned: []}; }
   })();
   const isHeadline = (name) => name === rules.headline || name.startsWith(rules.evalPrefix);
+  function roleOf(name) {  // as charts.role_of: "speaker" for roles/speaker/reward
+    if (!rules.rolesPrefix || !name.startsWith(rules.rolesPrefix)) return null;
+    const rest = name.slice(rules.rolesPrefix.length), slash = rest.indexOf("/");
+    return slash > 0 && slash < rest.length - 1 ? rest.slice(0, slash) : null;
+  }
   const isKey = (name) => pins.pinned.includes(name) || (rules.key.includes(name) && !pins.unpinned.includes(name));
   function togglePin(name) {
     const pin = !isKey(name);
@@ -141,11 +147,13 @@
   function target(name) {
     if (rules.notPlotted.includes(name)) return null;
     if (isHeadline(name)) return {kind: "chart", where: "headline"};
+    if (roleOf(name) && rolesEl) return {kind: "chart", where: "role:" + roleOf(name)};
     if (isKey(name)) return {kind: "chart", where: "key"};
     return {kind: isConstant(series[name]?.values ?? []) ? "constant" : "chart", where: groupOf(name).id};
   }
   function rank(name, where) {  // an element's place among its siblings
     if (where === "headline") return [name === rules.headline ? 0 : 1, name];
+    if (where.startsWith("role:")) return [name === `${rules.rolesPrefix}${where.slice(5)}/${rules.roleFirst}` ? 0 : 1, name];
     if (where === "key") {
       const i = rules.key.indexOf(name);
       return i >= 0 ? [0, i] : [1, pins.pinned.indexOf(name)];
@@ -168,9 +176,22 @@
     insertSorted(groupsEl, group, groupRank(id), (d) => groupRank(d.dataset.group));
     return group;
   }
+  function roleColumn(role) {  // a role first seen live gets its column after the others
+    const columns = rolesEl.querySelector(".role-columns");
+    let column = [...columns.children].find((c) => c.dataset.role === role);
+    if (column) return column;
+    column = document.createElement("div");
+    column.className = "role-column";
+    column.dataset.role = role;
+    column.innerHTML = '<h4><span class="badge role-badge"></span></h4><div class="chart-grid"></div>';
+    column.querySelector(".role-badge").textContent = role;
+    columns.appendChild(column);
+    return column;
+  }
   function container(where, kind) {
     if (where === "headline") return headlineEl;
     if (where === "key") return keyEl;
+    if (where.startsWith("role:")) return roleColumn(where.slice(5)).querySelector(".chart-grid");
     return groupEl(where).querySelector(kind === "chart" ? ".chart-grid" : ".constants");
   }
 
@@ -182,7 +203,7 @@
     head.querySelector(".chart-name .muted").textContent = slash > 0 ? item.name.slice(0, slash + 1) : "";
     head.querySelector(".chart-name span:last-child").textContent = item.name.slice(slash + 1);
     head.querySelector(".chart-name").title = item.name;
-    if (!isHeadline(item.name)) head.appendChild(pinButton(item.name));
+    if (!isHeadline(item.name) && !roleOf(item.name)) head.appendChild(pinButton(item.name));
     item.el.replaceChildren(head);
     item.value = head.querySelector(".chart-value b");
     item.at = head.querySelector(".chart-value .muted");
@@ -196,7 +217,8 @@
   function adopt(el) {  // a box or line the server rendered
     const name = el.dataset.metric;
     const kind = el.classList.contains("constant") ? "constant" : "chart";
-    const where = el.parentElement === headlineEl ? "headline" : el.parentElement === keyEl ? "key" : el.closest(".metric-group").dataset.group;
+    const column = el.closest(".role-column");
+    const where = el.parentElement === headlineEl ? "headline" : el.parentElement === keyEl ? "key" : column ? "role:" + column.dataset.role : el.closest(".metric-group").dataset.group;
     const item = items[name] = {name, kind, where, el};
     kind === "chart" ? chartHead(item) : constantLine(item);
   }
@@ -255,6 +277,7 @@
     }
     headlineEl.hidden = !headlineEl.querySelector(":scope > :not([hidden])");
     keyEl.hidden = !keyEl.querySelector(":scope > :not([hidden])");
+    if (rolesEl) rolesEl.hidden = !rolesEl.querySelector(".chart:not([hidden])");
     for (const group of groupsEl.children) {
       const hits = group.querySelectorAll("[data-metric]:not([hidden])").length;
       group.hidden = hits === 0;

@@ -9,29 +9,35 @@ model at version 0 (the run updates its weights).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 TEACHER_STEPS = 12
 
 
 async def rl_teacher(
-    model_dir: str | Path, engine_url: str, out: Path, steps: int = TEACHER_STEPS
+    model_dir: str | Path,
+    engine_url: str,
+    out: Path,
+    steps: int = TEACHER_STEPS,
+    task: tuple[dict[str, Any], list[dict[str, Any]]] | None = None,
 ) -> tuple[Path, list[float]]:
-    """The model of ``model_dir`` after ``steps`` RL steps on the toy task, saved to ``out``;
-    and that run's reward per step."""
+    """The model of ``model_dir`` after ``steps`` RL steps on the toy task (or ``task``: its
+    settings and rows), saved to ``out``; and that run's reward per step."""
     from rl_core.config import RunConfig
     from rl_core.loop import ListReporter
     from rl_core.rollout import LocalRun
     from rl_core.toy import TOY_SETTINGS, toy_rows
     from rl_core.trainer import PPOTrainer
 
-    cfg = RunConfig.from_dict({"base_model": str(model_dir), **TOY_SETTINGS, "max_steps": steps})
+    settings, rows = task or (TOY_SETTINGS, toy_rows(64, seed=0))
+    cfg = RunConfig.from_dict({"base_model": str(model_dir), **settings, "max_steps": steps})
     trainer = PPOTrainer(cfg, model_path=model_dir, device="cpu")
     reporter = ListReporter()
     await LocalRun(
         cfg,
         trainer=trainer,
         urls=[engine_url],
-        rows=toy_rows(64, seed=0),
+        rows=rows,
         weights_dir=out.parent / f"{out.name}-sync",
         reporter=reporter,
     ).run()

@@ -141,11 +141,12 @@ def self_teacher(config, run_id: str, loop, weight_sync, backend: str, api: Inte
     from rl_core.chat import load_chat_tokenizer
     from rl_core.distill import ServedModel, TeacherScorer
     from rl_core.hints import HintPlacement
-    from rl_core.inference.adapters import current_adapter
+    from rl_core.inference.adapters import current_adapter, role_prefix
 
-    def adapter() -> str | None:
+    def adapter(role: str = "") -> str | None:
+        # A multi-agent run: the current adapter of the role that produced the tokens.
         return current_adapter(
-            run_id,
+            role_prefix(run_id, role),
             loop.version,
             lora_rank=config.lora_rank,
             init_checkpoint=config.init_checkpoint,
@@ -157,11 +158,13 @@ def self_teacher(config, run_id: str, loop, weight_sync, backend: str, api: Inte
             load_chat_tokenizer(config.base_model), config.hint_position, config.hint_template
         ),
         on_signals=api.hint_signals,
+        topk=config.distill_topk,
+        adapter_for=(lambda traj: adapter(traj.role)) if config.roles else None,
     )
 
 
 async def run_job(run_id: str, web_url: str, secret: str) -> str:
-    from rl_core.adapter_sync import AdapterSync
+    from rl_core.adapter_sync import AdapterSync, RoleAdapterSync
     from rl_core.chat import load_chat_tokenizer
     from rl_core.distill import connect_teacher
     from rl_core.evals import split_rows
@@ -271,7 +274,18 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
         )
         # A server that died is left out of an update: watch_servers restarts and resyncs it.
         weight_sync = (
-            AdapterSync(
+            RoleAdapterSync(
+                urls,
+                data_dir / "adapters",
+                prefix=run_id,
+                roles=config.roles,
+                refresh=refresh,
+                on_change=on_change,
+                skip_unreachable=True,
+                backend=backend,
+            )
+            if config.roles  # one adapter per role, each <run>-<role>-v<N>
+            else AdapterSync(
                 urls,
                 data_dir / "adapters",
                 prefix=run_id,
@@ -422,7 +436,7 @@ async def run_job(run_id: str, web_url: str, secret: str) -> str:
                     await weight_sync.aclose()
             except Exception:
                 logger.exception("could not close the weight sync")
-        if isinstance(weight_sync, AdapterSync):  # a pool's servers may have changed
+        if isinstance(weight_sync, AdapterSync | RoleAdapterSync):  # a pool's servers may change
             urls = weight_sync.urls
         for url in urls:
             try:

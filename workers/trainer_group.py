@@ -100,8 +100,8 @@ class TrainerWorker:
     def save_weights(self, path: str) -> str:
         return self.trainer.save_weights(path)
 
-    def save_adapter(self, path: str) -> str:
-        return self.trainer.save_adapter(path)
+    def save_adapter(self, path: str, role: str = "") -> str:
+        return self.trainer.save_adapter(path, role)
 
     def save_checkpoint(self, path: str) -> str:
         return self.trainer.save_checkpoint(path)
@@ -232,8 +232,8 @@ class TrainerGroup:
     def save_weights(self, path: str) -> str:
         return self._call("save_weights", str(path))
 
-    def save_adapter(self, path: str) -> str:
-        return self._call("save_adapter", str(path))
+    def save_adapter(self, path: str, role: str = "") -> str:
+        return self._call("save_adapter", str(path), role)
 
     def save_checkpoint(self, path: str) -> str:
         return self._call("save_checkpoint", str(path))

@@ -25,6 +25,12 @@ def adapter_name(prefix: str, version: int) -> str:
     return f"{prefix}-v{int(version)}"
 
 
+def role_prefix(prefix: str, role: str = "") -> str:
+    """The adapter prefix of one role of a multi-agent run (``<run>-<role>``; its versions
+    are ``<run>-<role>-v<N>``); a one-policy run (role "") keeps the run's prefix."""
+    return f"{prefix}-{role}" if role else prefix
+
+
 def adapter_version(name: str | None) -> int | None:
     """``N`` of an adapter named ``<prefix>-v<N>``; None for any other name."""
     match = _NAME.search(name or "")

@@ -9,6 +9,7 @@ import signal
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -270,12 +271,17 @@ def test_online_agents_train_while_running_within_the_staleness_bound(stack, res
     assert not MetricPoint.objects.filter(run_id=run["id"], name="timing/save_weights").exists()
 
 
+def said_a(reply: str) -> float:
+    return float("a" in reply)
+
+
 def _agents_until_the_run_ends(
-    rest, run, agent, hint: str | None = None
+    rest, run, agent, hint: str | None = None, reward_of: Callable[[str], float] = said_a
 ) -> tuple[set[int], list[str]]:
-    """Agents play 2-turn sessions (temperature 1, rewarded for an "a") through the gateway
-    with the official openai SDK until the run stops running; the policy versions they
-    were served and the ids of the sessions they ended. ``hint``: sent with every reward 0."""
+    """Agents play 2-turn sessions (temperature 1, rewarded ``reward_of`` the last reply: for
+    an "a" unless told) through the gateway with the official openai SDK until the run stops
+    running; the policy versions they were served and the ids of the sessions they ended.
+    ``hint``: sent with every reward 0."""
     from openai import APIStatusError, OpenAI
 
     project_key = rest.headers["Authorization"].split()[1]
@@ -314,7 +320,7 @@ def _agents_until_the_run_ends(
             assert run_state(rest, run["id"])["status"] != "running"
             break
         auth = {"Authorization": f"Bearer {session['api_key']}"}
-        reward = float("a" in reply.choices[0].message.content)
+        reward = reward_of(reply.choices[0].message.content or "")
         body = {"reward": reward} | ({"hint": hint} if hint and not reward else {})
         assert (
             httpx.post(f"{agent['base_url']}/rl/set_reward", headers=auth, json=body).status_code
@@ -342,10 +348,17 @@ def _pids_whose_command_has(fragment: str) -> list[int]:
 
 
 def online_lora_run_played(
-    rest, stack, name: str, hint: str | None = None, **settings
+    rest,
+    stack,
+    name: str,
+    hint: str | None = None,
+    agent_role: str = "",
+    reward_of: Callable[[str], float] = said_a,
+    **settings,
 ) -> tuple[dict, set[int], list[str]]:
     """An online LoRA run of 3 steps (batch 4, ``settings`` on top) created, started and
-    played by agents until it stops running: (the run, the versions served, the sessions ended)."""
+    played by agents (bound to ``agent_role`` when given) until it stops running: (the run,
+    the versions served, the sessions ended)."""
     created = rest.post(
         "/runs/",
         json={
@@ -363,14 +376,17 @@ def online_lora_run_played(
     )
     assert created.status_code == 201, created.text
     run = created.json()
-    agent = rest.post("/agents/", json={"name": f"{name} agent", "run": run["id"]}).json()
+    role = {"role": agent_role} if agent_role else {}
+    agent = rest.post("/agents/", json={"name": f"{name} agent", "run": run["id"], **role})
+    assert agent.status_code == 201, agent.text
+    agent = agent.json()
     assert rest.post(f"/runs/{run['id']}/start/").status_code == 202
     wait_for(
         lambda: run_state(rest, run["id"])["status"] == "running",
         300,
         f"the run to be running\n{stack.log_tail()}",
     )
-    seen_versions, ended = _agents_until_the_run_ends(rest, run, agent, hint)
+    seen_versions, ended = _agents_until_the_run_ends(rest, run, agent, hint, reward_of)
     return run, seen_versions, ended
 
 

@@ -156,6 +156,32 @@ async def test_vllm_teaches_as_a_distillation_teacher_by_both_of_its_apis(server
             await teacher.aclose()
 
 
+async def test_vllm_gives_a_distillation_teacher_its_top_k_by_both_of_its_apis(server, vllm_models):
+    """distill_topk's teacher top-k (rl_core.distill_topk) from a running vLLM, by prompt_logprobs
+    and by the OpenAI server's token-id top_logprobs: a full forward's top k, best first."""
+    from rl_core.distill import OpenAITeacher, VLLMTeacher
+    from tests.rl_core.conftest import Reference
+
+    ids = PROMPT + [119, 111, 114, 108, 100, 33, 10, 72]
+    with torch.no_grad():
+        logits = Reference().model(vllm_models[0])(torch.tensor([ids])).logits[0, :-1]
+    want = torch.log_softmax(logits.float(), dim=-1).topk(3, dim=-1)  # row t-1 → token t
+    openai = OpenAITeacher(f"{server.url}/v1", model=str(vllm_models[0]))
+    for teacher in (VLLMTeacher(server.url), openai):
+        try:
+            got = await teacher.top_logprobs(ids, 3)
+        finally:
+            await teacher.aclose()
+        assert got.logprobs[0] == 0.0 and len(got.ids) == len(ids)
+        values = torch.tensor(got.topk_logprobs[1:])
+        torch.testing.assert_close(values, want.values, atol=TOLERANCE, rtol=0)
+        # Ids agree wherever the teacher's values are not a near-tie.
+        ties = (want.values[:, :-1] - want.values[:, 1:]).abs() < 10 * TOLERANCE  # [L-1, 2]
+        for t, row in enumerate(got.ids[1:]):
+            if not ties[t].any():
+                assert row == want.indices[t].tolist(), (t, row)
+
+
 async def test_a_stream_is_the_answer_in_pieces_with_its_top_logprobs(client):
     params = {"max_new_tokens": 10, "temperature": 1.0, "sampling_seed": 11}
     whole = await client.generate(PROMPT, params, top_logprobs_num=2)

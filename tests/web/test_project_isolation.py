@@ -48,6 +48,7 @@ DETAIL_REQUESTS = [
     ("runs/<str:run_id>/evals/<str:eval_id>/", "get", "evaluation", 200),
     ("runs/<str:run_id>/evals/<str:eval_id>/examples/", "get", "evaluation", 200),
     ("agents/<str:agent_id>/", "get", "agent", 200),
+    ("agents/<str:agent_id>/", "patch", "agent", 200),
     ("agents/<str:agent_id>/", "delete", "agent", 204),
     ("sessions/<str:session_id>/", "get", "session", 200),
     # The owner's answer to an empty body: feedback that says nothing (the view was reached).

@@ -16,6 +16,9 @@ class Agent(models.Model):
         "runs.Run", null=True, blank=True, on_delete=models.SET_NULL, related_name="agents"
     )
     name = models.CharField(max_length=200)
+    # The role it plays in a multi-agent run (RunConfig.roles); "" = none bound (a request may
+    # still name one with model "policy/<role>").
+    role = models.CharField(max_length=32, blank=True, default="", db_default="")
     created_at = models.DateTimeField(default=timezone.now)
 
     class Meta:

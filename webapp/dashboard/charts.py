@@ -36,7 +36,7 @@ GROUPS: dict[str, str] = {
     "ppo": "Policy (PPO)",
     "loss": "Loss",
     "correction": "Rollout correction",  # rl_core.correction: engine vs trainer logprobs
-    "distill": "Distillation",  # rl_core.distill: the teacher's calls, latency, reverse KL
+    "distill": "Distillation",  # rl_core.distill: teacher calls, latency, reverse/top-k KL
     "staleness": "Staleness",
     "weight_sync": "Weight sync",
     "perf": "Throughput",
@@ -45,6 +45,10 @@ GROUPS: dict[str, str] = {
     "system": "System",
 }
 OTHER_GROUP = ("other", "Other")
+# A multi-agent run's per-role metrics, ``roles/<role>/<name>`` (rl_core: one adapter per role):
+# drawn in the Roles section, a column per role, its reward first.
+ROLES_PREFIX = "roles/"
+ROLE_FIRST = "reward"
 # Chart points per metric a run page starts with: above this many steps, each point is the
 # mean of a bucket of steps (webapp.runs.selectors.metric_points); live points come per step.
 CHART_MAX_POINTS = 1000
@@ -64,10 +68,46 @@ class Group:
 
 
 @dataclass
+class RoleColumn:
+    role: str
+    charts: list[str]  # its ``roles/<role>/...`` metrics, the reward first
+
+
+@dataclass
 class ChartLayout:
     headline: list[str]  # rollout/reward, then eval/ metrics; empty before the first step
     key: list[str]  # KEY_METRICS the run reports, in that order
     groups: list[Group]  # only groups that have metrics
+    roles: list[RoleColumn] = field(default_factory=list)  # a multi-agent run's, side by side
+
+
+def role_of(name: str) -> str | None:
+    """The role of a ``roles/<role>/<name>`` metric; None for any other metric."""
+    if not name.startswith(ROLES_PREFIX):
+        return None
+    role, slash, rest = name[len(ROLES_PREFIX) :].partition("/")
+    return role if role and slash and rest else None
+
+
+def role_columns(names: Sequence[str], roles: Sequence[str] = ()) -> list[RoleColumn]:
+    """The per-role metrics among ``names`` as one column per role: the run's ``roles`` in its
+    order, then any other reporting role by name; within a column the reward first."""
+    found: dict[str, list[str]] = {}
+    for name in names:
+        role = role_of(name)
+        if role is not None:
+            found.setdefault(role, []).append(name)
+    order = [r for r in roles if r in found] + sorted(set(found) - set(roles))
+    return [
+        RoleColumn(
+            role,
+            sorted(
+                found[role],
+                key=lambda n: (n != f"{ROLES_PREFIX}{role}/{ROLE_FIRST}", n),
+            ),
+        )
+        for role in order
+    ]
 
 
 def group_of(name: str) -> tuple[str, str]:
@@ -89,11 +129,16 @@ def is_constant(values: Sequence[float]) -> bool:
     return bool(values) and max(values) - min(values) <= abs(max(values)) * 1e-9
 
 
-def chart_layout(series: Mapping[str, Sequence[Sequence[float]]]) -> ChartLayout:
+def chart_layout(
+    series: Mapping[str, Sequence[Sequence[float]]], roles: Sequence[str] = ()
+) -> ChartLayout:
     """Where each metric of ``series`` (``{name: [steps, values]}``, as ``series()`` returns)
-    goes: the headline, the key panels, or its folded group, as a chart or, for a series that
-    never changed, as one line with its value."""
+    goes: the headline, the key panels, a role's column (``role_columns``; ``roles``: the
+    run's), or its folded group, as a chart or, for a series that never changed, as one line
+    with its value."""
     names = sorted(set(series) - set(NOT_PLOTTED))
+    columns = role_columns(names, roles)
+    names = [n for n in names if role_of(n) is None]
     headline = [HEADLINE] if HEADLINE in names else []
     headline += [n for n in names if n.startswith(EVAL_PREFIX)]
     key = [n for n in KEY_METRICS if n in names]
@@ -107,7 +152,9 @@ def chart_layout(series: Mapping[str, Sequence[Sequence[float]]]) -> ChartLayout
             group.constants.append((name, f"{values[-1]:.4g}"))
         else:
             group.charts.append(name)
-    return ChartLayout(headline, key, [groups[g] for g in sorted(groups, key=_group_order)])
+    return ChartLayout(
+        headline, key, [groups[g] for g in sorted(groups, key=_group_order)], columns
+    )
 
 
 def client_config() -> dict:
@@ -119,6 +166,8 @@ def client_config() -> dict:
         "notPlotted": list(NOT_PLOTTED),
         "groups": [{"id": i, "title": t} for i, t in GROUPS.items()],
         "other": {"id": OTHER_GROUP[0], "title": OTHER_GROUP[1]},
+        "rolesPrefix": ROLES_PREFIX,
+        "roleFirst": ROLE_FIRST,
         "etaWindow": ETA_WINDOW,
         "etaHorizon": ETA_HORIZON_S,
         "unboundedSteps": UNBOUNDED_STEPS,

@@ -41,10 +41,23 @@ class DatasetForm(forms.Form):
 class AgentForm(forms.Form):
     name = forms.CharField(max_length=200)
     run = forms.ChoiceField(required=False, help_text="The run whose policy answers this agent.")
+    role = forms.ChoiceField(
+        required=False,
+        help_text='A multi-agent run: the role this agent plays (its requests may also send model "policy/<role>").',
+    )
 
     def __init__(self, *args, runs=(), **kwargs):
         super().__init__(*args, **kwargs)
         self.fields["run"].choices = [("", "— none yet —")] + [(str(r.id), r.name) for r in runs]
+        # The roles of the runs that have them, grouped by run; the service checks the pair.
+        grouped = [
+            (r.name, [(role, role) for role in (r.config or {}).get("roles") or []]) for r in runs
+        ]
+        grouped = [group for group in grouped if group[1]]
+        if grouped:
+            self.fields["role"].choices = [("", "— none —"), *grouped]
+        else:
+            del self.fields["role"]
 
 
 def _form_field(spec) -> forms.Field:

@@ -325,7 +325,7 @@ def run_detail(request, project_id, run_id):
     data = charts.series(metric_points(run=run, stride=stride))
     rules = {"config": charts.client_config(), "maxSteps": run.config.get("max_steps")}
     context |= {
-        "layout": charts.chart_layout(data["series"]),
+        "layout": charts.chart_layout(data["series"], run.config.get("roles") or ()),
         "chart_data": data | rules | {"mode": run.mode},
         "chart_stride": stride,
         "latest_metrics": charts.latest_values(metric_latest(run=run)),
@@ -433,9 +433,15 @@ def agents(request, project_id):
             else None
         )
         try:
-            agent = agent_create(project=project, name=form.cleaned_data["name"], run=run)
+            agent = agent_create(
+                project=project,
+                name=form.cleaned_data["name"],
+                run=run,
+                role=form.cleaned_data.get("role") or "",
+            )
         except AgentInvalid as exc:
-            form.add_error("run", " ".join(exc.errors.get("run", [])))
+            for name, errors in exc.errors.items():
+                form.add_error(name if name in form.fields else None, " ".join(errors))
         else:
             return redirect("dashboard:agent", project_id=project.id, agent_id=agent.id)
     context = {

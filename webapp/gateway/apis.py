@@ -95,6 +95,9 @@ class ChoiceOutput(serializers.Serializer):
 class InteractionOutput(serializers.Serializer):
     id = serializers.CharField(help_text="The completion's id (chatcmpl-...).")
     turn = serializers.IntegerField()
+    role = serializers.CharField(
+        allow_blank=True, help_text="A multi-agent run's role that answered; empty otherwise."
+    )
     messages = serializers.ListField(
         child=serializers.DictField(), help_text="The messages as the agent sent them."
     )
@@ -135,6 +138,7 @@ class SessionListApi(ProjectAPIView):
             OpenApiParameter("agent", str, description="Only this agent's sessions."),
             OpenApiParameter("run", str, description="Only this run's sessions."),
             OpenApiParameter("status", str, enum=STATUS_VALUES, description=STATUS_HELP),
+            OpenApiParameter("role", str, description="Only sessions with a turn of this role."),
         ],
         responses=SessionOutput(many=True),
         summary="List sessions, newest first",
@@ -145,6 +149,7 @@ class SessionListApi(ProjectAPIView):
             agent_id=_id_param(request, "agent"),
             run_id=_id_param(request, "run"),
             status=_status_param(request),
+            role=request.query_params.get("role") or None,
         )
         return self.paginate(sessions, SessionOutput)
 

@@ -47,6 +47,8 @@ class ChatRequest:
     repetition_penalty: float = 1.0  # SGLang's and vLLM's extension, like top_k
     min_p: float = 0.0  # SGLang's and vLLM's extension, like top_k
     min_tokens: int = 0  # vLLM's extension (SGLang's min_new_tokens): no stop before this many
+    # The request's model: ignored, except "policy/<role>" on a multi-agent run (gateway.roles).
+    model: str = ""
     # The tools the template renders: none when tool_choice is "none".
     rendered_tools: list[dict] | None = field(init=False, default=None)
 
@@ -73,6 +75,8 @@ class ChatRequest:
                 self.min_tokens,
             ],
         }
+        if self.model.startswith("policy/"):  # another role's answer is another request
+            payload["model"] = self.model
         canonical = json_bytes(payload, sort_keys=True, default=str)
         return hashlib.sha256(canonical).hexdigest()
 
@@ -332,6 +336,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
         repetition_penalty=_repetition_penalty(body),
         min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
         min_tokens=min_tokens,
+        model=body.get("model") or "",
     )
 
 

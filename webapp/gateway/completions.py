@@ -93,7 +93,13 @@ async def _turn(
     if trace is not None:
         trace.begin("steep.turn.admit")
     trip = db(
-        turns.begin(token=token, agent_id=agent_id, fingerprint=request_key, is_retry=is_retry),
+        turns.begin(
+            token=token,
+            agent_id=agent_id,
+            fingerprint=request_key,
+            is_retry=is_retry,
+            model=chat.model,
+        ),
         durable=False,  # an admission slot lost in an OS crash is recounted by the reconciler
     )
     ahead = early.early_request(chat, caller) if chat.stream and not is_retry else None
@@ -141,7 +147,9 @@ async def _generate_and_record(
         if trace is not None:
             traces.rendered(trace, prompt)
         # 5. The engine's answer.
-        request = inference.engine_request(chat, tok, run, turn.sticky_server, prompt.input_ids)
+        request = inference.engine_request(
+            chat, tok, run, turn.sticky_server, prompt.input_ids, role=turn.role
+        )
         if trace is not None:
             traces.engine_begins(trace, chat, run, request)
         record = {

@@ -82,7 +82,7 @@ def early_request(chat: ChatRequest, caller_key: tuple[str, str]) -> dict | None
     """The engine request to start early for a stream whose caller's last one-turn stream was
     served recently (``EARLY_RUNS``), made as for that run; None when there is none."""
     run = EARLY_RUNS.get(caller_key)
-    if run is None:
+    if run is None or run.config.get("roles"):  # a role is only known once the trip returns
         return None
     tok = CACHES.tokenizers.get(run.base_model)
     if tok is None:

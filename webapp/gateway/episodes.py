@@ -16,7 +16,7 @@ from django.utils import timezone
 
 from rl_core.ids import new_uuid
 from webapp.accounts.keys import hash_key
-from webapp.gateway import lifecycle, sql, turns
+from webapp.gateway import lifecycle, roles, sql, turns
 from webapp.gateway.errors import GatewayError, bad_request
 from webapp.gateway.models import Interaction, Session
 
@@ -86,8 +86,10 @@ def reward(
     reward: float,
     interaction_id: str | None,
     hint: str | None = None,
+    role: str | None = None,
 ):
-    """Set a turn's reward (the last turn when no id); answers ``{"interaction_id",
+    """Set a turn's reward (the last turn when no id, or with ``role`` the last turn of that
+    role of a multi-agent run); answers ``{"interaction_id",
     "session_id", "reward"}``. Setting the same value again changes nothing.
 
     ``hint``: a correction in words for a self-distilling run (``rl_core.hints``), kept on the
@@ -99,12 +101,14 @@ def reward(
 
     def operation(cursor) -> dict:
         caller = turns.identify(cursor, token=token, agent_id=agent_id)
+        if role is not None:
+            _check_role(caller, role)
         session_id = caller.session_id
         if session_id is None:
             session_id = _one_turn_session(cursor, caller, interaction_id)
         session_pk = sql.pk(cursor, Session, session_id)
         status, trajectory, one_turn, turn_id, current = _session_and_turn(
-            cursor, session_pk, interaction_id
+            cursor, session_pk, interaction_id, role
         )
         if status == S.EXPIRED:
             raise GatewayError(
@@ -182,11 +186,34 @@ def _one_turn_session(cursor, caller: turns.Caller, interaction_id: str | None) 
     return sql.as_uuid(row[0])
 
 
-def _session_and_turn(cursor, session_pk, interaction_id: str | None) -> tuple:
+def _check_role(caller: turns.Caller, role: str) -> None:
+    """A 400 unless ``role`` is one of the caller's run's roles."""
+    run_roles = roles.run_roles(caller.run.config if caller.run is not None else None)
+    if role in run_roles:
+        return
+    if not run_roles:
+        raise bad_request(
+            "'role' is for multi-agent runs; this agent's run trains one policy: leave it out.",
+            param="role",
+        )
+    raise bad_request(
+        f"'role' must be one of this run's roles: {', '.join(run_roles)}; got {role!r}.",
+        param="role",
+    )
+
+
+def _session_and_turn(cursor, session_pk, interaction_id: str | None, role: str | None) -> tuple:
     """The session's status, trajectory and one_turn (locked), with ``(id, reward)`` of the
-    turn to reward (the named one, else the last; None when there is none), in one read."""
+    turn to reward (the named one, else the last, of ``role`` when given; None when there is
+    none), in one read."""
     if interaction_id:
         turn_clause, params = "i.id = %s", [interaction_id, session_pk]
+    elif role:
+        turn_clause = (
+            f"i.turn = (SELECT MAX(turn) FROM {_INTERACTIONS}"
+            " WHERE session_id = s.id AND role = %s)"
+        )
+        params = [role, session_pk]
     else:
         turn_clause = f"i.turn = (SELECT MAX(turn) FROM {_INTERACTIONS} WHERE session_id = s.id)"
         params = [session_pk]

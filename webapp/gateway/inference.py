@@ -13,7 +13,7 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import connections
 
-from rl_core.inference.adapters import current_adapter
+from rl_core.inference.adapters import current_adapter, role_prefix
 from rl_core.inference.client import (
     GenerateResult,
     InferenceClient,
@@ -35,10 +35,15 @@ if TYPE_CHECKING:
 
 
 def engine_request(
-    chat: ChatRequest, tok: ChatTokenizer, run: RunInfo, sticky: str, input_ids: list[int]
+    chat: ChatRequest,
+    tok: ChatTokenizer,
+    run: RunInfo,
+    sticky: str,
+    input_ids: list[int],
+    role: str = "",
 ) -> dict:
     """What the run's inference servers are asked for (``generate``'s and ``generate_stream``'s
-    arguments)."""
+    arguments); ``role``: the multi-agent run's role whose adapter answers."""
     max_new = min(chat.max_tokens, settings.GATEWAY_MAX_NEW_TOKENS)
     return {
         "run_id": run.id,
@@ -50,9 +55,10 @@ def engine_request(
         "n": chat.n,
         "seed": chat.seed,
         "top_logprobs": chat.top_logprobs,
-        # A LoRA run serves each policy version as its own adapter (rl_core.adapter_sync).
+        # A LoRA run serves each policy version as its own adapter (rl_core.adapter_sync), and
+        # a multi-agent run one per role.
         "lora_path": current_adapter(
-            str(run.id),
+            role_prefix(str(run.id), role),
             run.weight_version,
             lora_rank=int(run.config.get("lora_rank") or 0),
             init_checkpoint=run.config.get("init_checkpoint"),

@@ -217,6 +217,8 @@ class Interaction(models.Model):
     server_url = models.CharField(max_length=300, blank=True)
     latency_ms = models.FloatField(default=0.0)
     created_at = models.DateTimeField(default=timezone.now)
+    # A multi-agent run's role whose adapter answered (RunConfig.roles); "" in a one-policy run.
+    role = models.CharField(max_length=32, blank=True, default="", db_default="")
 
     objects = InteractionQuerySet.as_manager()
 

@@ -49,7 +49,8 @@ ERRORS: dict[int, str] = {
     400: "Malformed JSON or a bad field; `error.param` names it and `error.code` says why.",
     401: "No key, or an invalid, revoked, expired or superseded one (`WWW-Authenticate: Bearer`).",
     404: "Unknown agent, also another project's (no existence leak); on `set_reward` an "
-    "unknown `interaction_id`.",
+    "unknown `interaction_id`; `model_not_found` for `policy/<role>` naming a role the "
+    "run does not train.",
     405: "Another HTTP method than the one this endpoint takes.",
     409: "The session has ended (`session_ended`): start a new one; on `set_reward` also a "
     "reward that is final or a session with no completion yet.",
@@ -113,7 +114,11 @@ COMPONENTS: dict[str, dict] = {
     },
     "ChatCompletionRequest": _obj(
         ("messages",),
-        model=_t("string", "Any name; the run's policy answers (`GET /models` shows it)."),
+        model=_t(
+            "string",
+            "Any name; the run's policy answers (`GET /models` shows it). A multi-agent run "
+            "answers `\"policy/<role>\"` with that role's adapter, else the agent's role.",
+        ),
         messages={
             "type": "array",
             "minItems": 1,
@@ -268,6 +273,12 @@ COMPONENTS: dict[str, dict] = {
             "A correction in words (a self-distilling run's teacher context), up to 8,000 characters.",
             maxLength=8000,
         ),
+        role=_t(
+            "string",
+            "A multi-agent run's role: without `interaction_id`, the session's last turn of "
+            "that role is rewarded. One of the run's roles; a 400 otherwise, and on a run "
+            "without roles.",
+        ),
     ),
     "SetRewardOutput": _obj(
         ("interaction_id", "session_id", "reward"),
@@ -341,12 +352,14 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     ),
     Endpoint(
         "get", "/models", "The run's policy model",
-        "The model the agent's run serves, with its current weight version.",
+        "The model the agent's run serves, with its current weight version; a multi-agent "
+        "run also lists `policy` and `policy/<role>` for each of its roles.",
         200, "ModelList", (401, 404, 405, 429, 503),
     ),
     Endpoint(
         "post", "/rl/set_reward", "Reward a turn",
-        "A reward for one turn: the one named by `interaction_id`, else the session's last. "
+        "A reward for one turn: the one named by `interaction_id`, else the session's last "
+        "(of `role`, when given, in a multi-agent run). "
         "Per-turn rewards are kept; later rewards are credited to earlier turns with the run's "
         "`turn_discount`. With the project key, `interaction_id` names a one-turn completion, "
         "which then goes to training. Setting the same value again changes nothing.",

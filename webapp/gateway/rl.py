@@ -55,8 +55,9 @@ async def start_session(
 async def set_reward(
     *, agent_id: str, authorization: str, content_type: str, body: bytes, db=in_lane
 ) -> Reply:
-    """``POST /rl/set_reward`` ``{"reward": number, "interaction_id"?: str, "hint"?: str}``
-    (``hint``: a correction in words, the teacher's context in a self-distilling run)."""
+    """``POST /rl/set_reward`` ``{"reward": number, "interaction_id"?: str, "hint"?: str,
+    "role"?: str}`` (``hint``: a correction in words, the teacher's context in a
+    self-distilling run; ``role``: without an id, the last turn of that role of a multi-agent run)."""
     try:
         data = parse_json_body(body, content_type)
         if not isinstance(data, dict):
@@ -90,12 +91,16 @@ async def set_reward(
                 param="hint",
                 code="string_above_max_length",
             )
+        role = data.get("role")
+        if role is not None and not isinstance(role, str):
+            raise bad_request("'role' must be a string.", param="role", code="invalid_type")
         operation = episodes.reward(
             token=_token(authorization),
             agent_id=agent_id,
             reward=float(reward),
             interaction_id=interaction_id,
             hint=hint,
+            role=role,
         )
         return Reply.json(await db(operation))
     except GatewayError as exc:

@@ -36,9 +36,21 @@ def server_candidates(*, run_id) -> list[tuple[str, bool, str]]:
 
 
 def session_list(
-    *, project: Project, agent_id=None, run_id=None, status: str | None = None
+    *,
+    project: Project,
+    agent_id=None,
+    run_id=None,
+    status: str | None = None,
+    role: str | None = None,
 ) -> QuerySet[Session]:
+    """The project's sessions, newest first; ``role``: those with a turn of that role."""
     sessions = Session.objects.filter(project=project).select_related("agent", "run")
+    if role:
+        sessions = sessions.filter(
+            pk__in=Interaction.objects.filter(session__project=project, role=role).values(
+                "session_id"
+            )
+        )
     if agent_id:
         sessions = sessions.filter(agent_id=parse_uuid(agent_id))
     if run_id:
@@ -116,6 +128,9 @@ def session_trajectories(
     A sequence whose last turn has no reward takes the session's (its last turn's). Each
     output token carries its turn's logprob temperature (``rl_core.sampling``);
     ``temperatures`` is None when all are 1.0.
+
+    In a multi-agent run (turns recorded with a ``role``), each sequence holds one role's
+    turns (``_role_sequences``) and its trajectory carries that ``role``.
     """
     if interactions is None:
         interactions = list(session.interactions.order_by("turn"))
@@ -123,7 +138,11 @@ def session_trajectories(
     turns = [turn for turn in interactions if not turn.aborted]
     kept, _ = branches.drop_retry_orphans(branches.conversation_tree(turns))
     sequences: list[list[branches.Node]] = []
+    by_role = any(node.turn.role for node in kept)
     for branch in branches.branches(kept):
+        if by_role:
+            sequences.extend(_role_sequences(branch))
+            continue
         for position, node in enumerate(branch):
             if position and _extends(node):
                 sequences[-1].append(node)
@@ -132,7 +151,7 @@ def session_trajectories(
     outcome = kept[-1].turn.reward if kept else None
     trajectories = []
     for index, sequence in enumerate(sequences):
-        trajectory = _sequence_trajectory(session, sequence, outcome)
+        trajectory = _sequence_trajectory(session, sequence, outcome, by_role=by_role)
         if trajectory is not None:
             trajectories.append((index, trajectory))
     for index, trajectory in trajectories:
@@ -152,11 +171,39 @@ def _extends(node: branches.Node) -> bool:
     return list(node.turn.input_ids[: len(seen)]) == seen
 
 
+def _role_sequences(branch: list[branches.Node]) -> list[list[branches.Node]]:
+    """A multi-agent branch's turns as one role's sequences each: a turn extends the latest
+    sequence of its own role when its prompt begins with that sequence's last prompt and
+    continued answer (the other roles' turns in between are then context, not trained), and
+    starts a new one otherwise."""
+    sequences: list[list[branches.Node]] = []
+    latest: dict[str, int] = {}  # role → index of its latest sequence
+    for node in branch:
+        index = latest.get(node.turn.role)
+        if index is not None and _continues(node, sequences[index][-1]):
+            sequences[index].append(node)
+            continue
+        latest[node.turn.role] = len(sequences)
+        sequences.append([node])
+    return sequences
+
+
+def _continues(node: branches.Node, earlier: branches.Node) -> bool:
+    """Whether ``node``'s prompt begins with ``earlier``'s exact prompt and continued answer."""
+    seen = list(earlier.turn.input_ids) + list(earlier.turn.outputs[earlier.choice]["output_ids"])
+    return list(node.turn.input_ids[: len(seen)]) == seen
+
+
 def _sequence_trajectory(
-    session: Session, sequence: list[branches.Node], outcome: float | None
+    session: Session, sequence: list[branches.Node], outcome: float | None, by_role: bool = False
 ) -> Trajectory | None:
-    # The choice each turn's successor continued with; the last turn's own.
-    choices = [nxt.continued_choice for nxt in sequence[1:]] + [sequence[-1].choice]
+    # The choice each turn's successor continued with; the last turn's own. In a role's
+    # sequence the successor may be another role's turn: the branch's continuation is the one.
+    choices = (
+        [node.choice for node in sequence]
+        if by_role
+        else [nxt.continued_choice for nxt in sequence[1:]] + [sequence[-1].choice]
+    )
     last, last_choice = sequence[-1].turn, choices[-1]
     out = last.outputs[last_choice]
     ids = list(last.input_ids) + list(out["output_ids"])
@@ -184,7 +231,7 @@ def _sequence_trajectory(
     if last.reward is None and outcome is not None:
         rewards[-1] = outcome  # a sub-agent's branch shares the episode's outcome
     turn_ends[-1] = len(ids)
-    return Trajectory(
+    trajectory = Trajectory(
         input_ids=ids,
         loss_mask=mask,
         logprobs=logprobs,
@@ -197,6 +244,9 @@ def _sequence_trajectory(
         temperatures=temperatures if any(t != 1.0 for t in temperatures) else None,
         metadata={"task_id": session.task_id, "interactions": [n.turn.id for n in sequence]},
     )
+    if by_role:
+        trajectory.role = last.role
+    return trajectory
 
 
 def trajectories_export(

@@ -33,7 +33,7 @@ from webapp.accounts.keys import SESSION_KEY_PREFIX, hash_key
 from webapp.accounts.models import APIKey
 from webapp.accounts.services import LAST_USED_RESOLUTION
 from webapp.agents.models import Agent
-from webapp.gateway import admission, deltas, earlier_turns, lifecycle, sql
+from webapp.gateway import admission, deltas, earlier_turns, lifecycle, roles, sql
 from webapp.gateway.chat_request import PreviousTurn
 from webapp.gateway.errors import GatewayError
 from webapp.gateway.last_turns import LAST_TURNS, KnownTurn
@@ -62,7 +62,7 @@ def _session_key_statement(last_turn: bool, known: bool = False) -> str:
         turn_join += " AND NOT (s.id = %s AND s.interaction_count = %s)"
     return (
         f"SELECT s.id, s.status, s.server_url, s.interaction_count, s.agent_id, a.name,"
-        f" a.project_id, {_RUN_COLUMNS}{turn_columns if last_turn else ''} FROM {_SESSIONS} s"
+        f" a.project_id, {_RUN_COLUMNS}, a.role{turn_columns if last_turn else ''} FROM {_SESSIONS} s"
         f" JOIN {_AGENTS} a ON a.id = s.agent_id LEFT JOIN {_RUNS} r ON r.id = a.run_id"
         f"{turn_join if last_turn else ''} WHERE s.key_hash = %s"
     )
@@ -103,6 +103,7 @@ class Caller:
     # request_hash, messages, tools, input_ids, outputs, response, id, prefix_turn
     last_turn: tuple | None = None
     known_turn: KnownTurn | None = None  # the last turn as this process recorded it
+    agent_role: str = ""  # the role the agent is bound to in a multi-agent run
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,7 @@ class Turn:
     sticky_server: str
     previous: PreviousTurn | None = None
     replay: dict | None = None  # an SDK retry: answer this recorded response, record nothing
+    role: str = ""  # the multi-agent run's role this turn plays (``webapp.gateway.roles``)
 
 
 def _run(row) -> RunInfo | None:
@@ -185,12 +187,13 @@ def authenticate(cursor, *, token: str | None, agent_id, last_turn: bool = False
             session_status=row[1],
             session_server=row[2] or "",
             session_turns=count,
-            last_turn=row[14:] if last_turn and row[14] is not None else None,
+            last_turn=row[15:] if last_turn and row[15] is not None else None,
             known_turn=known if known is not None and known.holds(session_id, count) else None,
+            agent_role=row[14] or "",
         )
     cursor.execute(
         f"SELECT k.id, k.project_id, k.revoked_at, k.expires_at, k.last_used_at, a.id, a.name,"
-        f" {_RUN_COLUMNS} FROM {_KEYS} k"
+        f" {_RUN_COLUMNS}, a.role FROM {_KEYS} k"
         f" LEFT JOIN {_AGENTS} a ON a.project_id = k.project_id AND a.id = %s"
         f" LEFT JOIN {_RUNS} r ON r.id = a.run_id WHERE k.hashed = %s",
         [sql.pk(cursor, Agent, agent_uuid), key_hash],
@@ -213,6 +216,7 @@ def authenticate(cursor, *, token: str | None, agent_id, last_turn: bool = False
         project_id=row[1],
         key_hash=key_hash,
         run=_run(row[7:]),
+        agent_role=row[14] or "",
     )
 
 
@@ -311,12 +315,16 @@ def budget_full(cursor, run: RunInfo) -> GatewayError:
 # --- The two trips of a completion -------------------------------------------------------
 
 
-def begin(*, token: str | None, agent_id, fingerprint: str, is_retry: bool):
-    """The operation that starts a completion; returns a ``Turn``."""
+def begin(*, token: str | None, agent_id, fingerprint: str, is_retry: bool, model: str = ""):
+    """The operation that starts a completion; returns a ``Turn``. ``model``: the request's,
+    which names the role of a multi-agent run (``webapp.gateway.roles``)."""
 
     def operation(cursor) -> Turn:
         caller = identify(cursor, token=token, agent_id=agent_id, last_turn=True)
         run = serving(caller)
+        role = roles.turn_role(
+            roles=roles.run_roles(run.config), model=model, agent_role=caller.agent_role
+        )
         if caller.session_id is not None:
             gone = session_gone(caller.session_id, caller.session_status)
             if gone is not None:
@@ -331,19 +339,25 @@ def begin(*, token: str | None, agent_id, fingerprint: str, is_retry: bool):
             )
             if last is not None and last[0] == fingerprint:
                 # An SDK retry of the last turn: same answer, nothing recorded twice.
-                return Turn(caller, run, caller.session_id, False, "", replay=last[1])
+                return Turn(caller, run, caller.session_id, False, "", replay=last[1], role=role)
             return Turn(
-                caller, run, caller.session_id, False, caller.session_server, previous=previous
+                caller,
+                run,
+                caller.session_id,
+                False,
+                caller.session_server,
+                previous=previous,
+                role=role,
             )
         if is_retry:
             replay = _recent_replay(cursor, caller.agent_id, fingerprint)
             if replay is not None:
-                return Turn(caller, run, new_uuid(), False, "", replay=replay)
+                return Turn(caller, run, new_uuid(), False, "", replay=replay, role=role)
         if not lifecycle.admit(cursor, run_id=run.id, config=run.config):
             raise budget_full(cursor, run)
         # The one-turn session's row is written with its interaction (``record``); until
         # then only its admission slot exists (``discard`` gives it back).
-        return Turn(caller, run, new_uuid(), True, "")
+        return Turn(caller, run, new_uuid(), True, "", role=role)
 
     return operation
 
@@ -411,6 +425,7 @@ def record(
                 "server_url": server_url,
                 "latency_ms": latency_ms,
                 "created_at": now,
+                "role": turn.role,
             },
         )
         if turn.opened and outputs and all(out.get("aborted") for out in outputs):

@@ -19,7 +19,7 @@ from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
 from webapp.accounts.auth import bearer_token
-from webapp.gateway import rl, turns
+from webapp.gateway import rl, roles, turns
 from webapp.gateway.anthropic_api import anthropic_error, create_message
 from webapp.gateway.completions import chat_completion
 from webapp.gateway.errors import GatewayError
@@ -91,6 +91,11 @@ async def models(request, agent_id) -> Reply:
                 "run_id": str(run.id),
             }
         )
+        # A multi-agent run: one model id per role, as requests name them (gateway.roles).
+        run_roles = roles.run_roles(run.config)
+        if run_roles:
+            base = data[0]
+            data = [base | {"id": name} for name in roles.role_models(run_roles)] + [base]
     return Reply.json({"object": "list", "data": data})
 
 

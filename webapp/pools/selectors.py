@@ -96,7 +96,7 @@ def teacher_pool_errors(*, config: RunConfig) -> dict[str, list[str]]:
 def pool_stats(*, pool: Pool) -> dict:
     """What the pool page and the REST detail show: servers, attached runs with their adapter,
     tokens/s and queue depth, and the adapters the servers hold (``serving``)."""
-    from rl_core.inference.adapters import current_adapter
+    from rl_core.inference.adapters import current_adapter, role_prefix
     from webapp.pools import serving
 
     urls = pool_server_urls(pool=pool)
@@ -105,15 +105,26 @@ def pool_stats(*, pool: Pool) -> dict:
     figures = serving.per_run(states)
     runs = []
     for run in pool_runs(pool=pool):
-        adapter = current_adapter(
-            str(run.id),
-            run.weight_version,
-            lora_rank=int(run.config.get("lora_rank") or 0),
-            init_checkpoint=run.config.get("init_checkpoint") or None,
+        # A multi-agent run serves one adapter per role (``<run>-<role>-v<N>``).
+        prefixes = {
+            role: role_prefix(str(run.id), role) for role in run.config.get("roles") or [""]
+        }
+        adapters = {
+            role: current_adapter(
+                prefix,
+                run.weight_version,
+                lora_rank=int(run.config.get("lora_rank") or 0),
+                init_checkpoint=run.config.get("init_checkpoint") or None,
+            )
+            for role, prefix in prefixes.items()
+        }
+        adapter = (
+            adapters.pop("", None) if "" in adapters else ", ".join(map(str, adapters.values()))
         )
-        load = figures.get(
-            str(run.id), {"running_requests": 0, "queue_depth": 0, "tokens_per_s": 0.0}
-        )
+        load = {"running_requests": 0, "queue_depth": 0, "tokens_per_s": 0.0}
+        for prefix in prefixes.values():
+            for name, value in figures.get(prefix, {}).items():
+                load[name] += value
         runs.append(
             {
                 "run_id": str(run.id),
@@ -122,6 +133,7 @@ def pool_stats(*, pool: Pool) -> dict:
                 "status": run.status,
                 "weight_version": run.weight_version,
                 "adapter": adapter,
+                "role_adapters": adapters,  # role → adapter; {} for a one-policy run
                 "sessions_open": run.sessions_open,
                 # None: no server reports per-run figures (SGLang, or none up)
                 **(load if reporting else dict.fromkeys(load)),

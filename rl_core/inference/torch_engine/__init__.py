@@ -29,7 +29,10 @@ Semantics that RL relies on:
   output token, where ``logprob`` is ``log_softmax(logits / temperature)`` at that
   position (before top-k/top-p/min-p; temperature 1 for a greedy request), as SGLang
   reports it by default: what the trainer recomputes with each token's temperature
-  (``rl_core.sampling``). Prompt logprobs (``logprob_start_len``) are of the raw logits.
+  (``rl_core.sampling``). Prompt logprobs (``logprob_start_len``) are of the raw logits;
+  with ``top_logprobs_num`` k, ``input_top_logprobs`` holds each prompt token's k best
+  ``[logprob, id, text|None]`` (None for the first token), as SGLang's: a distillation
+  teacher's top-k (``rl_core.distill_topk``).
 * A weight update (``/update_weights_from_disk`` or ``/update_weights_from_distributed``)
   loads or receives the new weights beside generation and swaps them in between two
   decode steps; requests in flight go on under the new weights. ``meta_info.

@@ -489,9 +489,10 @@ class TorchEngine:
 
     def _start(self, reqs: list[GenerateRequest], done: Prefilled) -> None:
         """Record what the prefill gave, sample each first token, join the batch."""
-        for req, logprobs in zip(reqs, done.input_logprobs, strict=True):
+        tops = done.input_top or [None] * len(reqs)
+        for req, logprobs, top in zip(reqs, done.input_logprobs, tops, strict=True):
             if logprobs is not None:
-                req.input_logprobs = logprobs
+                req.input_logprobs, req.input_top = logprobs, top or []
             if req.params.max_new_tokens == 0:
                 self._finish(req, {"type": "length", "length": 0})
         going = [i for i, req in enumerate(reqs) if req.finish is None]

@@ -14,7 +14,7 @@ what a decode step does, so a batch's requests that finished together (the same
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -34,6 +34,9 @@ class Prefilled:
     cache: Any  # right-padded: row i is real for its first lengths[i] positions
     lengths: list[int]
     input_logprobs: list[list[tuple[float | None, int]] | None]  # where a request asked
+    # SGLang's input_top_logprobs where a request asked (top_logprobs_num): one row per input
+    # token from logprob_start_len on, None for the first
+    input_top: list[list[list[tuple[float, int]] | None] | None] = field(default_factory=list)
 
 
 def wants_input_logprobs(req: GenerateRequest) -> bool:
@@ -86,19 +89,30 @@ def prefill(model: Any, reqs: list[GenerateRequest], device: torch.device) -> Pr
     logits = out.logits.float()  # [B, kept, V]
     rows = torch.arange(len(reqs), device=logits.device)
     last = logits[rows, torch.tensor(columns, device=logits.device)]
-    input_logprobs = [
-        _input_logprobs(logits[i, : lengths[i]], req) if wants_input_logprobs(req) else None
+    scored = [
+        _input_logprobs(logits[i, : lengths[i]], req) if wants_input_logprobs(req) else (None, None)
         for i, req in enumerate(reqs)
     ]
-    return Prefilled(last, returned_cache(out), lengths, input_logprobs)
+    return Prefilled(
+        last, returned_cache(out), lengths, [s[0] for s in scored], [s[1] for s in scored]
+    )
 
 
-def _input_logprobs(logits: torch.Tensor, req: GenerateRequest) -> list[tuple[float | None, int]]:
-    """SGLang's ``input_token_logprobs`` from ``logprob_start_len`` on (the first is None)."""
-    logprobs = torch.log_softmax(logits[:-1], dim=-1)  # row i predicts token i + 1
+def _input_logprobs(
+    logits: torch.Tensor, req: GenerateRequest
+) -> tuple[list[tuple[float | None, int]], list[list[tuple[float, int]] | None] | None]:
+    """SGLang's ``input_token_logprobs`` from ``logprob_start_len`` on (the first is None), and
+    its ``input_top_logprobs`` where ``top_logprobs_num`` asks (best first; None for the first)."""
+    logprobs = torch.log_softmax(logits[:-1], dim=-1)  # [L-1, V]: row i predicts token i + 1
     targets = torch.tensor(req.input_ids[1:], device=logits.device)
     picked = logprobs.gather(-1, targets[:, None])[:, 0].tolist()
-    return [
-        (None if i == 0 else picked[i - 1], req.input_ids[i])
-        for i in range(req.logprob_start_len, len(req.input_ids))
+    positions = range(req.logprob_start_len, len(req.input_ids))
+    own = [(None if i == 0 else picked[i - 1], req.input_ids[i]) for i in positions]
+    if not req.top_logprobs_num:
+        return own, None
+    top = logprobs.topk(min(req.top_logprobs_num, logprobs.shape[-1]), dim=-1)  # [L-1, k] each
+    values, ids = top.values.tolist(), top.indices.tolist()
+    rows = [
+        None if i == 0 else list(zip(values[i - 1], ids[i - 1], strict=True)) for i in positions
     ]
+    return own, rows

@@ -188,6 +188,7 @@ class GenerateRequest:
         self.output_versions: list[str] = []  # the weight version that sampled each output token
         self.output_top: list[list[tuple[float, int]]] = []
         self.input_logprobs: list[tuple[float | None, int]] = []
+        self.input_top: list[list[tuple[float, int]] | None] = []  # with top_logprobs_num
         self.cached_tokens = 0  # prompt tokens whose KV came from the prefix cache
         self.cache_epoch = -1  # the prefix cache's epoch when it was prefilled
         self.finish: dict[str, Any] | None = None
@@ -296,6 +297,10 @@ def generate_response(
         if req.top_logprobs_num:
             meta["output_top_logprobs"] = [
                 [[lp, t, piece(t)] for lp, t in row] for row in req.output_top
+            ]
+            meta["input_top_logprobs"] = [
+                None if row is None else [[lp, t, piece(t)] for lp, t in row]
+                for row in req.input_top
             ]
     return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
 

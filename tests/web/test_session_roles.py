@@ -1,0 +1,48 @@
+"""A multi-agent session: each turn's role in the sessions API and as a badge on the session
+page, and the sessions list filtered by role."""
+
+from __future__ import annotations
+
+import pytest
+
+from webapp.gateway.models import Interaction
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def game(project, make_run, make_agent, make_session):
+    run = make_run(project, name="game", lora_rank=8, roles=["speaker", "listener"])
+    agent = make_agent(project, run=run)
+    session = make_session(
+        agent,
+        [
+            {"messages": [{"role": "user", "content": "Describe"}], "answer": "red"},
+            {"messages": [{"role": "user", "content": "Guess"}], "answer": "apple"},
+        ],
+    )
+    for turn, role in ((0, "speaker"), (1, "listener")):
+        Interaction.objects.filter(session=session, turn=turn).update(role=role)
+    plain = make_session(agent, [{"messages": [{"role": "user", "content": "Hi"}], "answer": "x"}])
+    return session, plain
+
+
+def test_the_sessions_api_gives_each_turns_role(api, game):
+    session, _ = game
+    body = api.get(f"/api/v1/sessions/{session.id}/").json()
+    assert [t["role"] for t in body["interactions"]] == ["speaker", "listener"]
+
+
+def test_the_sessions_list_filters_by_role(api, game):
+    session, plain = game
+    listed = api.get("/api/v1/sessions/?role=listener").json()["results"]
+    assert [s["id"] for s in listed] == [str(session.id)]
+    assert len(api.get("/api/v1/sessions/").json()["results"]) == 2
+
+
+def test_the_session_page_marks_each_turn_with_its_role(client, owner, project, game):
+    session, _ = game
+    client.force_login(owner)
+    page = client.get(f"/projects/{project.id}/sessions/{session.id}/").content.decode()
+    assert page.count('class="badge role-badge"') == 2
+    assert ">speaker</span>" in page and ">listener</span>" in page
