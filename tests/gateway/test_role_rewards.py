@@ -28,6 +28,24 @@ def test_set_reward_with_a_role_rewards_that_roles_last_turn(roles_gw):
     assert Interaction.objects.get(pk=speaker_turn).reward is None
 
 
+def test_set_reward_naming_a_turn_and_another_role_is_400_and_changes_nothing(
+    roles_gw, openai_error
+):
+    _, key = roles_gw.start_session()
+    client, messages = roles_gw.openai(key), [{"role": "user", "content": "Hi"}]
+    speaker_turn = _turn(client, "policy/speaker", messages)
+    body = {"reward": 1.0, "interaction_id": speaker_turn, "role": "listener"}
+
+    error = openai_error(roles_gw.post("/rl/set_reward", body, key=key), 400)
+
+    assert error["param"] == "role" and error["code"] == "role_mismatch"
+    assert "'speaker'" in error["message"]
+    assert Interaction.objects.get(pk=speaker_turn).reward is None
+    body["role"] = "speaker"
+    assert roles_gw.post("/rl/set_reward", body, key=key).status_code == 200
+    assert Interaction.objects.get(pk=speaker_turn).reward == 1.0
+
+
 def test_set_reward_with_a_role_the_session_has_not_played_is_409(roles_gw, openai_error):
     _, key = roles_gw.start_session()
     _turn(roles_gw.openai(key), "policy/speaker", [{"role": "user", "content": "Hi"}])

@@ -1,7 +1,9 @@
 """A multi-agent session: each turn's role in the sessions API and as a badge on the session
-page, and the sessions list filtered by role."""
+page, the sessions list filtered by role, and the export's role column."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -46,3 +48,14 @@ def test_the_session_page_marks_each_turn_with_its_role(client, owner, project, 
     page = client.get(f"/projects/{project.id}/sessions/{session.id}/").content.decode()
     assert page.count('class="badge role-badge"') == 2
     assert ">speaker</span>" in page and ">listener</span>" in page
+
+
+def test_the_export_has_a_row_per_role_saying_which(api, game):
+    session, _ = game
+    body = api.get(f"/api/v1/runs/{session.run_id}/trajectories/export?format=jsonl")
+    assert body.status_code == 200
+    rows = [json.loads(line) for line in b"".join(body.streaming_content).decode().splitlines()]
+    mine = [row for row in rows if row["session_id"].split("#")[0] == str(session.id)]
+    assert sorted(row["role"] for row in mine) == ["listener", "speaker"]
+    completions = {row["role"]: row["completion"] for row in mine}
+    assert completions == {"speaker": "red", "listener": "apple"}

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.django_db
 
 S, T = Session.Status, Session.Trajectory
 COLUMNS = {
-    "format", "run_id", "session_id", "agent_id", "task_id", "group_id", "status",
+    "format", "run_id", "session_id", "agent_id", "task_id", "group_id", "role", "status",
     "trajectory", "created_at", "ended_at", "messages", "completion", "input_ids",
     "loss_mask", "logprobs", "versions", "temperatures", "turn_ends", "rewards", "reward",
     "metadata",
@@ -127,6 +127,7 @@ def test_jsonl_rows_carry_messages_tokens_logprobs_versions_and_rewards(api, rec
         "arith-1",
     )
     assert (first["group_id"], first["status"], first["trajectory"]) == ("g1", "ended", "ready")
+    assert first["role"] == ""  # a one-policy run
     assert first["created_at"] == r.multi.created_at.isoformat()
     assert first["ended_at"] == r.multi.ended_at.isoformat()
     assert json.loads(first["metadata"])["task_id"] == "arith-1"

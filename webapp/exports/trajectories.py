@@ -11,7 +11,8 @@ Every row has the same keys and types (``SCHEMA``), so ``datasets.load_dataset("
   logprob was taken at), ``turn_ends``, ``rewards`` (one per assistant turn) and ``reward``
   (their sum);
 * where it came from: ``run_id``, ``session_id`` (``<id>#k`` when a session split into
-  several sequences), ``agent_id``, ``task_id``, ``group_id``, ``status`` (the session's),
+  several sequences), ``agent_id``, ``task_id``, ``group_id``, ``role`` (the role whose turns
+  a multi-agent run's trajectory trains; "" otherwise), ``status`` (the session's),
   ``trajectory`` (its training state), ``created_at`` / ``ended_at`` (ISO 8601), and
   ``metadata`` (a JSON object encoded as a string: its keys differ from row to row).
 
@@ -46,6 +47,7 @@ COLUMNS: tuple[tuple[str, str], ...] = (
     ("agent_id", "string"),
     ("task_id", "string"),
     ("group_id", "string"),
+    ("role", "string"),
     ("status", "string"),
     ("trajectory", "string"),
     ("created_at", "string"),
@@ -100,6 +102,7 @@ def _row(run: Run, session: Session, trajectory, turns: dict[str, Interaction]) 
         "agent_id": str(session.agent_id) if session.agent_id else None,
         "task_id": session.task_id,
         "group_id": trajectory.group_id,
+        "role": trajectory.role,
         "status": session.status,
         "trajectory": session.trajectory,
         "created_at": _iso(session.created_at),

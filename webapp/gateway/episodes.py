@@ -107,7 +107,7 @@ def reward(
         if session_id is None:
             session_id = _one_turn_session(cursor, caller, interaction_id)
         session_pk = sql.pk(cursor, Session, session_id)
-        status, trajectory, one_turn, turn_id, current = _session_and_turn(
+        status, trajectory, one_turn, turn_id, current, turn_role = _session_and_turn(
             cursor, session_pk, interaction_id, role
         )
         if status == S.EXPIRED:
@@ -118,6 +118,13 @@ def reward(
             )
         if turn_id is None:
             _no_turn(interaction_id)
+        if role is not None and interaction_id and turn_role != role:
+            raise bad_request(
+                f"Interaction {interaction_id} was played as role {turn_role!r}, not {role!r}; "
+                "send the turn's own role, or leave 'role' out.",
+                param="role",
+                code="role_mismatch",
+            )
         answer = {"interaction_id": turn_id, "session_id": str(session_id), "reward": reward}
         untrained = trajectory in (T.PENDING, T.READY, T.UNREWARDED)
         if hint is not None:
@@ -203,9 +210,9 @@ def _check_role(caller: turns.Caller, role: str) -> None:
 
 
 def _session_and_turn(cursor, session_pk, interaction_id: str | None, role: str | None) -> tuple:
-    """The session's status, trajectory and one_turn (locked), with ``(id, reward)`` of the
-    turn to reward (the named one, else the last, of ``role`` when given; None when there is
-    none), in one read."""
+    """The session's status, trajectory and one_turn (locked), with ``(id, reward, role)`` of
+    the turn to reward (the named one, else the last, of ``role`` when given; None when there
+    is none), in one read."""
     if interaction_id:
         turn_clause, params = "i.id = %s", [interaction_id, session_pk]
     elif role:
@@ -218,7 +225,7 @@ def _session_and_turn(cursor, session_pk, interaction_id: str | None, role: str 
         turn_clause = f"i.turn = (SELECT MAX(turn) FROM {_INTERACTIONS} WHERE session_id = s.id)"
         params = [session_pk]
     cursor.execute(
-        f"SELECT s.status, s.trajectory, s.one_turn, i.id, i.reward FROM {_SESSIONS} s"
+        f"SELECT s.status, s.trajectory, s.one_turn, i.id, i.reward, i.role FROM {_SESSIONS} s"
         f" LEFT JOIN {_INTERACTIONS} i ON i.session_id = s.id AND {turn_clause}"
         f" WHERE s.id = %s{sql.for_update(cursor, of='s')}",
         params,
