@@ -42,15 +42,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def task_of(name: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """A task's run settings and rows: ``toy`` (say "v") or ``demo`` (say the letter asked)."""
-    from rl_core.toy import DEMO_SETTINGS, TOY_SETTINGS, demo_rows, toy_rows
-
-    if name == "demo":
-        return DEMO_SETTINGS, demo_rows(512, seed=0)
-    return TOY_SETTINGS, toy_rows(64, seed=0)
-
-
 async def one_run(
     model_dir: Path,
     url: str,
@@ -63,6 +54,7 @@ async def one_run(
     from rl_core.loop import ListReporter
     from rl_core.rollout import LocalRun
     from rl_core.trainer import PPOTrainer
+    from tests.distill_teacher import task_of
 
     task_settings, rows = task_of(task)
     extra = {"teacher_url": teacher_url} if teacher_url else {}
@@ -104,7 +96,7 @@ def first_reaching(rewards: list[float], target: float, window: int = 1) -> int 
 async def main_async(args: argparse.Namespace) -> dict:
     from rl_core.inference.launch import TorchEngineServer
     from rl_core.tiny import build_tiny_model
-    from tests.distill_teacher import rl_teacher
+    from tests.distill_teacher import rl_teacher, task_of
 
     root = Path(tempfile.mkdtemp(prefix="steep-distill-bench-"))
     model_dir = build_tiny_model(root / "tiny")

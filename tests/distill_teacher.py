@@ -46,3 +46,12 @@ async def rl_teacher(
         if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
             (saved / f.name).write_bytes(f.read_bytes())
     return saved, reporter.series("rollout/reward")
+
+
+def task_of(name: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A task's run settings and rows: ``toy`` (say "v") or ``demo`` (say the letter asked)."""
+    from rl_core.toy import DEMO_SETTINGS, TOY_SETTINGS, demo_rows, toy_rows
+
+    if name == "demo":
+        return DEMO_SETTINGS, demo_rows(512, seed=0)
+    return TOY_SETTINGS, toy_rows(64, seed=0)
