@@ -1,7 +1,8 @@
 """A two-role run through the gateway: the speaker/listener game learns, role by role.
 
     .venv/bin/python bench/multi_agent.py [--steps 40] [--episodes 8] [--json out.json]
-        [--shared] [--warm-steps 300 | --base-model DIR] [--lr 2e-2] [--every 1]
+        [--shared] [--warm-steps 300 | --base-model DIR] [--lr 2e-2] [--phrasings 1]
+        [--listener-reward target|heard] [--group-by none|prompt] [--every 1]
     .venv/bin/python bench/multi_agent.py --render out.json [--every 10]
 
 Starts a private Steep (fresh DATA_DIR and SQLite database under .steep/bench/, uvicorn, a
@@ -18,7 +19,12 @@ rate (``listener_named``), mean score; and the run's per-role metrics
 both agents train one adapter) after it, as the comparison. ``--warm-steps`` first teaches the
 tiny model to say a letter a prompt asks for (the demo task), so the players start able to
 name letters and the game is about agreeing on which; ``--base-model`` plays with a model
-directory of your own. Everything it starts is stopped.
+directory of your own. ``--phrasings N`` words the speaker's prompt in one of the first N of
+``rl_core.toy.SPEAKER_PHRASINGS`` per episode; ``--listener-reward heard`` scores the listener on
+naming the letter the word shows (a per-role reward) instead of the target; ``--group-by prompt``
+gives the speaker's sessions a ``group_id`` per (phrasing, target), so its advantages compare
+episodes of the same prompt; the run's ``batch_size`` is two sessions per ``--episodes``.
+Everything it starts is stopped.
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ from tests.livestack import LiveStack, free_port, steep_env  # noqa: E402
 
 SETTINGS = {
     "mode": "online",
-    "batch_size": 16,  # sessions: 8 episodes of two agents
+    "batch_size": 16,  # sessions: two per episode (the run's is 2 x --episodes)
     "max_staleness": 2,
     "lora_rank": 8,
     "lora_alpha": 16.0,
@@ -74,6 +80,28 @@ def main() -> None:
         type=float,
         default=SETTINGS["learning_rate"],
         help="the runs' learning rate (2e-2 suits the untrained model; a warm one wants less)",
+    )
+    parser.add_argument(
+        "--phrasings",
+        type=int,
+        default=1,
+        help="the speaker's prompt in one of the first N of rl_core.toy.SPEAKER_PHRASINGS, "
+        "drawn per episode (1 = the game's own wording only)",
+    )
+    parser.add_argument(
+        "--listener-reward",
+        choices=("target", "heard"),
+        default="target",
+        help="target: both roles get the episode's score; heard: the listener is scored on "
+        "naming the letter the speaker's word shows (rl_core.toy.shown_letter), a per-role reward",
+    )
+    parser.add_argument(
+        "--group-by",
+        choices=("none", "prompt"),
+        default="none",
+        help="prompt: the speaker's sessions carry a group_id per (phrasing, target), so its "
+        "advantages are against the same prompt's other episodes (GRPO's groups); none: "
+        "against the batch",
     )
     parser.add_argument("--every", type=int, default=1, help="a table row per N versions")
     parser.add_argument("--json", type=Path)
@@ -157,6 +185,7 @@ async def measure(rest: httpx.Client, key: str, model: Path, kind: str, args) ->
             "base_model": str(model),
             "max_steps": args.steps,
             **SETTINGS,
+            "batch_size": 2 * args.episodes,
             "learning_rate": args.lr,
             **({"roles": ["speaker", "listener"]} if roles else {}),
         },
@@ -178,7 +207,20 @@ async def measure(rest: httpx.Client, key: str, model: Path, kind: str, args) ->
     episodes: list[dict] = []
     rng = random.Random(0)
     await asyncio.gather(
-        *(_player(rest, key, run["id"], agents, rng, episodes) for _ in range(args.episodes))
+        *(
+            _player(
+                rest,
+                key,
+                run["id"],
+                agents,
+                rng,
+                episodes,
+                args.phrasings,
+                args.listener_reward,
+                args.group_by,
+            )
+            for _ in range(args.episodes)
+        )
     )
     state = rest.get(f"/runs/{run['id']}/").json()
     if state["status"] != "completed":
@@ -193,6 +235,11 @@ async def measure(rest: httpx.Client, key: str, model: Path, kind: str, args) ->
     return {
         "kind": kind,
         "steps": args.steps,
+        "phrasings": args.phrasings,
+        "listener_reward": args.listener_reward,
+        "group_by": args.group_by,
+        "episodes_per_step": args.episodes,
+        "learning_rate": args.lr,
         "wall_s": time.monotonic() - started,
         "episodes": len(episodes),
         "by_version": {
@@ -207,15 +254,27 @@ async def measure(rest: httpx.Client, key: str, model: Path, kind: str, args) ->
     }
 
 
-async def _player(rest, key: str, run_id: str, agents: dict, rng, episodes: list) -> None:
+async def _player(
+    rest,
+    key: str,
+    run_id: str,
+    agents: dict,
+    rng,
+    episodes: list,
+    phrasings: int,
+    listener_reward: str,
+    group_by: str,
+) -> None:
     """Play episodes until the run stops running."""
     from openai import APIStatusError, AsyncOpenAI, RateLimitError
 
     from rl_core.toy import (
         GAME_LETTERS,
+        SPEAKER_PHRASINGS,
         listener_named,
         listener_prompt,
         listener_score,
+        shown_letter,
         speaker_prompt,
     )
 
@@ -226,15 +285,26 @@ async def _player(rest, key: str, run_id: str, agents: dict, rng, episodes: list
     try:
         while True:
             target = rng.choice(GAME_LETTERS)
+            phrasing = rng.choice(SPEAKER_PHRASINGS[:phrasings])
+            sessions = {}
             try:
-                sessions = {role: await _start(c) for role, c in clients.items()}
+                for role, client in clients.items():
+                    group = (
+                        f"{SPEAKER_PHRASINGS.index(phrasing)}-{target}"
+                        if group_by == "prompt"
+                        else ""
+                    )
+                    sessions[role] = await _start(client, group if role == "speaker" else "")
             except RateLimitError:
+                # The run's admission budget is full: end what this episode opened (unrewarded,
+                # so dropped), or it would hold its slot until the idle timeout.
+                await _end_all(sessions)
                 await asyncio.sleep(0.5)
                 continue
             except APIStatusError:  # 503: the run completed
                 return
             try:
-                said = await _say(sessions["speaker"], "policy", speaker_prompt(target))
+                said = await _say(sessions["speaker"], "policy", speaker_prompt(target, phrasing))
                 heard = await _say(
                     sessions["listener"],
                     "policy",
@@ -244,8 +314,12 @@ async def _player(rest, key: str, run_id: str, agents: dict, rng, episodes: list
                 return
             answer = heard.choices[0].message.content or ""
             score = listener_score(answer, target)
-            for session in sessions.values():
-                await session.post("/rl/set_reward", cast_to=object, body={"reward": score})
+            rewards = {"speaker": score, "listener": score}
+            if listener_reward == "heard":
+                word = said.choices[0].message.content or ""
+                rewards["listener"] = listener_score(answer, shown_letter(word) or target)
+            for role, session in sessions.items():
+                await session.post("/rl/set_reward", cast_to=object, body={"reward": rewards[role]})
                 await session.post("/rl/end_session", cast_to=object, body={})
             version = int((heard.system_fingerprint or "steep-v0").removeprefix("steep-v"))
             episodes.append(
@@ -256,8 +330,19 @@ async def _player(rest, key: str, run_id: str, agents: dict, rng, episodes: list
             await client.close()
 
 
-async def _start(client):
-    started = await client.post("/rl/start_session", cast_to=object, body={"task_id": "game"})
+async def _end_all(sessions: dict) -> None:
+    from openai import APIStatusError
+
+    for session in sessions.values():
+        try:
+            await session.post("/rl/end_session", cast_to=object, body={})
+        except APIStatusError:
+            pass
+
+
+async def _start(client, group: str = ""):
+    body = {"task_id": "game"} | ({"metadata": {"group_id": group}} if group else {})
+    started = await client.post("/rl/start_session", cast_to=object, body=body)
     return client.with_options(api_key=started["api_key"])
 
 

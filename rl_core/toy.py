@@ -165,8 +165,18 @@ def say_the_asked_letter_reward_fn(
 GAME_LETTERS = DEMO_LETTERS
 
 
-def speaker_prompt(target: str) -> str:
-    return f"Target: {target}. Say one word that tells it."
+# The speaker's prompt, in one of these wordings (the first is the game's own). Mixed per
+# episode, a speaker that says one letter whatever the target cannot score in all of them.
+SPEAKER_PHRASINGS = (
+    "Target: {target}. Say one word that tells it.",
+    "Secret letter {target}. Say a word for it.",
+    "Hint at {target} in one word.",
+    "The letter is {target}. Tell the listener.",
+)
+
+
+def speaker_prompt(target: str, phrasing: str = SPEAKER_PHRASINGS[0]) -> str:
+    return phrasing.format(target=target)
 
 
 def listener_prompt(word: str) -> str:
@@ -176,6 +186,15 @@ def listener_prompt(word: str) -> str:
 def listener_score(answer: str, target: str) -> float:
     """The demo task's credit for naming ``target`` (the other game letter costs a little)."""
     return say_the_asked_letter_reward_fn("", answer, target)
+
+
+def shown_letter(word: str) -> str | None:
+    """The game letter ``word`` holds most of (None for none or a tie): what a listener that
+    reads the word faithfully names."""
+    counts = sorted(((word.count(letter), letter) for letter in GAME_LETTERS), reverse=True)
+    if counts[0][0] == 0 or (len(counts) > 1 and counts[1][0] == counts[0][0]):
+        return None
+    return counts[0][1]
 
 
 def listener_named(answer: str, target: str) -> bool:

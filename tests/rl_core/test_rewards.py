@@ -143,3 +143,24 @@ def test_the_demo_rows_ask_for_both_letters_in_every_phrasing():
     assert {row["answer"] for row in rows} == set(DEMO_LETTERS)
     for row in rows:
         assert row["prompt"] in {p.format(letter=row["answer"]) for p in PHRASINGS}
+
+
+@pytest.mark.parametrize(
+    "word, shown",
+    [("vvvvvvvv", "v"), ("vaaa", "a"), ("Have a", "a"), ("va", None), ("xyz", None), ("", None)],
+)
+def test_the_games_shown_letter_is_the_majority_game_letter_or_none(word, shown):
+    from rl_core.toy import shown_letter
+
+    assert shown_letter(word) == shown
+
+
+def test_the_speakers_wordings_differ_only_in_the_target():
+    from rl_core.toy import SPEAKER_PHRASINGS, speaker_prompt
+
+    assert speaker_prompt("v") == "Target: v. Say one word that tells it."
+    assert len(set(SPEAKER_PHRASINGS)) == len(SPEAKER_PHRASINGS) > 1
+    for phrasing in SPEAKER_PHRASINGS:
+        v, a = speaker_prompt("v", phrasing), speaker_prompt("a", phrasing)
+        assert len(v) == len(a)
+        assert [(x, y) for x, y in zip(v, a, strict=True) if x != y] == [("v", "a")]
