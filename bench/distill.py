@@ -1,7 +1,7 @@
 """On-policy distillation against RL on the toy task (issue 38): reward and reverse KL per step.
 
     .venv/bin/python bench/distill.py [--steps 12] [--teacher-steps 12] [--topk 8] [--json out.json]
-        [--task toy|demo] [--runs rl,topk,...] [--window 1]
+        [--task toy|demo] [--runs rl,topk,...] [--window 1] [--teacher DIR] [--lr X]
 
 The tiny model (``rl_core.tiny``) on the toy task (``rl_core.toy``, ``TOY_SETTINGS``), one torch
 engine per run, everything in this process's event loop (``rl_core.rollout.LocalRun``):
@@ -23,6 +23,10 @@ reward (the mean of its last three steps) - the goal is at most half the RL run'
 ``--task demo`` runs all of it on the demo task instead (``DEMO_SETTINGS``: say the letter, v or
 a, the prompt asks for; learning rate 3e-4), where RL needs hundreds of steps; ``--window``
 averages a run's reward over that many steps before comparing (the demo's batches are noisy).
+``--teacher`` skips step 1 and serves that model directory (it must share the tiny model's
+tokenizer, e.g. an earlier run's teacher, or ``bench/multi_agent.py``'s warm-up); ``--lr`` sets
+every student's learning rate (the teacher keeps the task's). Each run's
+figures go to the log (and ``--json``) as soon as it ends.
 """
 
 from __future__ import annotations
@@ -110,15 +114,18 @@ async def main_async(args: argparse.Namespace) -> dict:
         return server.url
 
     try:
-        teacher_dir, _ = await rl_teacher(
-            model_dir,
-            engine(model_dir),
-            root / "teacher",
-            steps=args.teacher_steps,
-            task=task_of(args.task),
-        )
+        if args.teacher:
+            teacher_dir = args.teacher
+        else:
+            teacher_dir, _ = await rl_teacher(
+                model_dir,
+                engine(model_dir),
+                root / "teacher",
+                steps=args.teacher_steps,
+                task=task_of(args.task),
+            )
         teacher_url = engine(teacher_dir)
-        steps = {"max_steps": args.steps}
+        steps = {"max_steps": args.steps} | ({"learning_rate": args.lr} if args.lr else {})
         topk = {"distill_topk": args.topk}
         plans = {
             "rl": ({}, ""),
@@ -133,6 +140,10 @@ async def main_async(args: argparse.Namespace) -> dict:
             runs[name] = await one_run(
                 model_dir, engine(model_dir), {**steps, **settings}, teacher, args.task
             )
+            rewards = " ".join(f"{r:.2f}" for r in runs[name]["reward"])
+            print(f"{name}: {runs[name]['seconds']:.0f} s, reward per step {rewards}", flush=True)
+            if args.json:
+                args.json.write_text(json.dumps({"partial": True, "runs": runs}, indent=2))
     finally:
         for server in servers:
             server.stop()
@@ -182,6 +193,8 @@ def main() -> None:
         "--runs", default="rl,distill,distill+reward,distill+topk,topk", help="which, in order"
     )
     parser.add_argument("--window", type=int, default=1, help="steps a reward is averaged over")
+    parser.add_argument("--lr", type=float, help="every student's learning rate (the task's)")
+    parser.add_argument("--teacher", type=Path, help="serve this teacher instead of training one")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if "rl" not in args.runs.split(","):
