@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/multi_agent.py [--steps 40] [--episodes 8] [--json out.json]
         [--shared] [--warm-steps 300 | --base-model DIR] [--lr 2e-2] [--phrasings 1]
-        [--listener-reward target|heard] [--group-by none|prompt] [--every 1]
+        [--listener-reward target|heard] [--group-by none|prompt] [--speaker-tokens 8] [--every 1]
     .venv/bin/python bench/multi_agent.py --render out.json [--every 10]
 
 Starts a private Steep (fresh DATA_DIR and SQLite database under .steep/bench/, uvicorn, a
@@ -102,6 +102,9 @@ def main() -> None:
         help="prompt: the speaker's sessions carry a group_id per (phrasing, target), so its "
         "advantages are against the same prompt's other episodes (GRPO's groups); none: "
         "against the batch",
+    )
+    parser.add_argument(
+        "--speaker-tokens", type=int, default=MAX_TOKENS, help="the speaker's max_tokens"
     )
     parser.add_argument("--every", type=int, default=1, help="a table row per N versions")
     parser.add_argument("--json", type=Path)
@@ -218,6 +221,7 @@ async def measure(rest: httpx.Client, key: str, model: Path, kind: str, args) ->
                 args.phrasings,
                 args.listener_reward,
                 args.group_by,
+                args.speaker_tokens,
             )
             for _ in range(args.episodes)
         )
@@ -238,6 +242,7 @@ async def measure(rest: httpx.Client, key: str, model: Path, kind: str, args) ->
         "phrasings": args.phrasings,
         "listener_reward": args.listener_reward,
         "group_by": args.group_by,
+        "speaker_tokens": args.speaker_tokens,
         "episodes_per_step": args.episodes,
         "learning_rate": args.lr,
         "wall_s": time.monotonic() - started,
@@ -264,6 +269,7 @@ async def _player(
     phrasings: int,
     listener_reward: str,
     group_by: str,
+    speaker_tokens: int,
 ) -> None:
     """Play episodes until the run stops running."""
     from openai import APIStatusError, AsyncOpenAI, RateLimitError
@@ -304,7 +310,9 @@ async def _player(
             except APIStatusError:  # 503: the run completed
                 return
             try:
-                said = await _say(sessions["speaker"], "policy", speaker_prompt(target, phrasing))
+                said = await _say(
+                    sessions["speaker"], "policy", speaker_prompt(target, phrasing), speaker_tokens
+                )
                 heard = await _say(
                     sessions["listener"],
                     "policy",
@@ -346,11 +354,11 @@ async def _start(client, group: str = ""):
     return client.with_options(api_key=started["api_key"])
 
 
-async def _say(session, model: str, prompt: str):
+async def _say(session, model: str, prompt: str, max_tokens: int = MAX_TOKENS):
     return await session.chat.completions.create(
         model=model,
         messages=[{"role": "user", "content": prompt}],
-        max_tokens=MAX_TOKENS,
+        max_tokens=max_tokens,
         temperature=1.0,
     )
 
