@@ -159,7 +159,7 @@ def test_the_speakers_wordings_differ_only_in_the_target():
     from rl_core.toy import SPEAKER_PHRASINGS, speaker_prompt
 
     assert speaker_prompt("v") == "Target: v. Say one word that tells it."
-    assert len(set(SPEAKER_PHRASINGS)) == len(SPEAKER_PHRASINGS) > 1
+    assert len({speaker_prompt("v", p) for p in SPEAKER_PHRASINGS}) == len(SPEAKER_PHRASINGS) > 1
     for phrasing in SPEAKER_PHRASINGS:
         v, a = speaker_prompt("v", phrasing), speaker_prompt("a", phrasing)
         assert len(v) == len(a)
