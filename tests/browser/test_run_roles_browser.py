@@ -95,3 +95,37 @@ def test_each_roles_reward_chart_is_drawn_side_by_side(logged_in, live_server, r
     assert page.evaluate("document.scrollingElement.scrollWidth") <= 390
     page.screenshot(path=str(SHOTS / "run-roles-390.png"), full_page=True)
     assert_fits(page)
+
+
+def test_the_recent_sessions_filter_by_role(logged_in, live_server, roles_run):
+    from webapp.agents.models import Agent
+    from webapp.gateway.models import Interaction, Session
+
+    page = logged_in
+    ids = {}
+    for role in ROLES:
+        agent = Agent.objects.get(run=roles_run, role=role)
+        session = Session.objects.create(project=roles_run.project, agent=agent, run=roles_run)
+        Interaction.objects.create(
+            id=f"chatcmpl-{session.id.hex[:12]}",
+            session=session,
+            turn=0,
+            request_hash="0" * 64,
+            messages=[{"role": "user", "content": "A letter?"}],
+            input_ids=[1, 2],
+            outputs=[{"output_ids": [3], "logprobs": [-0.1], "versions": [0]}],
+            response={},
+            role=role,
+        )
+        ids[role] = str(session.id)[:8]
+    page.set_viewport_size({"width": 1400, "height": 900})
+    page.goto(f"{live_server.url}/projects/{roles_run.project_id}/runs/{roles_run.id}/")
+    rows = page.locator("#run-sessions table.sessions tbody tr")
+    assert sorted(rows.locator("td code").all_inner_texts()) == sorted(ids.values())
+    page.locator("#run-sessions nav.filters a", has_text="listener").click()
+    page.wait_for_url("**?role=listener*")
+    assert rows.locator("td code").all_inner_texts() == [ids["listener"]]
+    active = page.locator("#run-sessions nav.filters a.active")
+    assert active.inner_text() == "listener"
+    page.locator("#fold-sessions").screenshot(path=str(SHOTS / "run-sessions-by-role-1400.png"))
+    assert_fits(page)

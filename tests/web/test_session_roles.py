@@ -59,3 +59,19 @@ def test_the_export_has_a_row_per_role_saying_which(api, game):
     assert sorted(row["role"] for row in mine) == ["listener", "speaker"]
     completions = {row["role"]: row["completion"] for row in mine}
     assert completions == {"speaker": "red", "listener": "apple"}
+
+
+def test_the_run_page_filters_its_sessions_by_role(client, owner, project, game):
+    session, plain = game
+    client.force_login(owner)
+    url = f"/projects/{project.id}/runs/{session.run_id}/"
+    page = client.get(url).content.decode()
+    assert f"{url}?role=speaker" in page and f"{url}?role=listener" in page
+    assert str(session.id)[:8] in page and str(plain.id)[:8] in page
+    listener = client.get(f"{url}?role=listener").content.decode()
+    assert str(session.id)[:8] in listener and str(plain.id)[:8] not in listener
+    unknown = client.get(f"{url}?role=nobody").content.decode()  # not a role: every session
+    assert str(session.id)[:8] in unknown and str(plain.id)[:8] in unknown
+    Interaction.objects.filter(session=session, role="listener").update(role="speaker")
+    empty = client.get(f"{url}?role=listener").content.decode()
+    assert "No session of this run has a <b>listener</b> turn yet." in empty

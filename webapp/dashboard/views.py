@@ -321,16 +321,22 @@ def run_detail(request, project_id, run_id):
         return render(request, "dashboard/_rewards_panel.html", context)
     if _wants_fragment(request):  # the polled status line: no chart data
         return render(request, "dashboard/_run_status.html", context)
+    roles = list(run.config.get("roles") or ())
+    role = request.GET.get("role", "")
+    if role not in roles:  # the sessions list's filter: one of the run's roles, or none
+        role = ""
     stride = charts.chart_stride(run.step)
     data = charts.series(metric_points(run=run, stride=stride))
     rules = {"config": charts.client_config(), "maxSteps": run.config.get("max_steps")}
     context |= {
-        "layout": charts.chart_layout(data["series"], run.config.get("roles") or ()),
+        "layout": charts.chart_layout(data["series"], roles),
         "chart_data": data | rules | {"mode": run.mode},
         "chart_stride": stride,
         "latest_metrics": charts.latest_values(metric_latest(run=run)),
         "agents": agent_list(project=project, run_id=run.id),
-        "sessions": session_list(project=project, run_id=run.id)[:10],
+        "sessions": session_list(project=project, run_id=run.id, role=role or None)[:10],
+        "roles": roles,
+        "role": role,
         "settings": redact_config(run.config),
         "rewards": reward_summary(run=run),
     }
