@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import secrets
 import statistics
 import sys
 import time
@@ -34,7 +33,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.livestack import LiveStack, free_port, steep_env  # noqa: E402
+from tests.livestack import bench_instance  # noqa: E402
 
 
 def main() -> None:
@@ -52,31 +51,12 @@ def main() -> None:
     task, rows = (TOY_SETTINGS, toy_rows) if args.task == "toy" else (DEMO_SETTINGS, demo_rows)
     shape = {"hidden": 64, "heads": 2, "kv_heads": 1} if args.model == "tiny32" else {}
 
-    work = ROOT / ".steep" / "bench" / f"e2e-{time.strftime('%Y%m%d-%H%M%S')}"
-    data_dir = work / "data"
-    data_dir.mkdir(parents=True)
-    port = free_port()
-    env = steep_env(
-        data_dir=data_dir,
-        site_url=f"http://127.0.0.1:{port}",
-        local_ray=True,
-        DEBUG="true",
-        SECRET_KEY=secrets.token_urlsafe(32),
-    )
     results = []
-    with LiveStack(env=env, log_dir=work) as stack:
-        stack.manage("migrate", "-v0")
-        key = stack.manage("create_api_key", "--project", "bench").strip().splitlines()[-1]
+    with bench_instance("e2e") as instance:
+        rest = instance.rest()
         # Under the instance's model root (DATA_DIR/models): runs may name only what it offers.
-        model = build_tiny_model(data_dir / "models" / "tiny-chat", **shape)
-        web = stack.start_web(port)
-        stack.start_worker(log_level="warning")
-        rest = httpx.Client(
-            base_url=f"http://127.0.0.1:{port}/api/v1",
-            headers={"Authorization": f"Bearer {key}"},
-            timeout=30,
-        )
-        stack.wait_ready(web, lambda: _up(rest), what="the web server")
+        model = build_tiny_model(instance.data_dir / "models" / "tiny-chat", **shape)
+        env = instance.stack.env or {}
         body = "".join(json.dumps(row) + "\n" for row in rows(256)).encode()
         dataset = rest.post(
             "/datasets/", data={"name": "toy"}, files={"file": ("toy.jsonl", body)}
@@ -93,13 +73,6 @@ def main() -> None:
         )
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
-
-
-def _up(rest: httpx.Client) -> bool:
-    try:
-        return rest.get("/project/").status_code == 200
-    except httpx.TransportError:
-        return False
 
 
 def measure(

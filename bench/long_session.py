@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import secrets
 import sqlite3
 import statistics
 import sys
@@ -37,7 +36,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.livestack import LiveStack, answers, free_port, steep_env  # noqa: E402
+from tests.livestack import LiveStack, bench_instance  # noqa: E402
 
 
 def main() -> None:
@@ -49,53 +48,43 @@ def main() -> None:
     from rl_core.inference.launch import TorchEngineServer
     from rl_core.tiny import build_tiny_model
 
-    work = ROOT / ".steep" / "bench" / f"long-session-{time.strftime('%Y%m%d-%H%M%S')}"
-    data_dir = work / "data"
-    data_dir.mkdir(parents=True)
-    model = build_tiny_model(data_dir / "models" / "tiny-8k", max_positions=8192)
-    port = free_port()
-    site = f"http://127.0.0.1:{port}"
-    env = steep_env(
-        data_dir=data_dir,
-        site_url=site,
-        DEBUG="false",
-        SECRET_KEY=secrets.token_urlsafe(32),
-        ALLOWED_HOSTS="127.0.0.1,localhost",
-        LOG_LEVEL="WARNING",
-    )
-    engines = {
-        "prefix cache": TorchEngineServer(
-            model, host="127.0.0.1", num_threads=1, log_path=work / "engine-cache.log"
-        ),
-        "no prefix cache": TorchEngineServer(
-            model,
-            host="127.0.0.1",
-            num_threads=1,
-            log_path=work / "engine-plain.log",
-            extra_args=["--disable-radix-cache"],
-        ),
-    }
     results = []
-    try:
-        for engine in engines.values():
-            engine.start()
-        with LiveStack(env=env, log_dir=work) as stack:
-            stack.manage("migrate", "-v0")
-            key = stack.manage("create_api_key", "--project", "bench").strip().splitlines()[-1]
-            web = stack.start_web(port, access_log=False)
-            probe = f"{site}/agents/00000000-0000-0000-0000-000000000000/v1/models"
-            stack.wait_ready(web, lambda: answers(probe, 401), what="uvicorn")
+    settings = {"DEBUG": "false", "ALLOWED_HOSTS": "127.0.0.1,localhost", "LOG_LEVEL": "WARNING"}
+    with bench_instance("long-session", worker=False, access_log=False, **settings) as instance:
+        work, data_dir = instance.work, instance.data_dir
+        model = build_tiny_model(data_dir / "models" / "tiny-8k", max_positions=8192)
+        engines = {
+            "prefix cache": TorchEngineServer(
+                model, host="127.0.0.1", num_threads=1, log_path=work / "engine-cache.log"
+            ),
+            "no prefix cache": TorchEngineServer(
+                model,
+                host="127.0.0.1",
+                num_threads=1,
+                log_path=work / "engine-plain.log",
+                extra_args=["--disable-radix-cache"],
+            ),
+        }
+        try:
+            for engine in engines.values():
+                engine.start()
             for label, engine in engines.items():
                 engine.wait_healthy(timeout=120)
-                agent_id = _agent(stack, model, engine.url, label)
+                agent_id = _agent(instance.stack, model, engine.url, label)
                 results.append(
                     _session(
-                        site, key, agent_id, engine.url, label, args, data_dir / "steep.sqlite3"
+                        instance.url,
+                        instance.key,
+                        agent_id,
+                        engine.url,
+                        label,
+                        args,
+                        data_dir / "steep.sqlite3",
                     )
                 )
-    finally:
-        for engine in engines.values():
-            engine.stop()
+        finally:
+            for engine in engines.values():
+                engine.stop()
     print(_table(results, args))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))

@@ -33,7 +33,6 @@ import argparse
 import asyncio
 import json
 import random
-import secrets
 import shutil
 import sys
 import time
@@ -45,7 +44,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.livestack import LiveStack, free_port, steep_env  # noqa: E402
+from tests.livestack import bench_instance  # noqa: E402
 
 SETTINGS = {
     "mode": "online",
@@ -116,34 +115,14 @@ def main() -> None:
         return
     from rl_core.tiny import build_tiny_model
 
-    work = ROOT / ".steep" / "bench" / f"multi-agent-{time.strftime('%Y%m%d-%H%M%S')}"
-    data_dir = work / "data"
-    data_dir.mkdir(parents=True)
-    port = free_port()
-    env = steep_env(
-        data_dir=data_dir,
-        site_url=f"http://127.0.0.1:{port}",
-        local_ray=True,
-        DEBUG="true",
-        SECRET_KEY=secrets.token_urlsafe(32),
-    )
     results = []
-    with LiveStack(env=env, log_dir=work) as stack:
-        stack.manage("migrate", "-v0")
-        key = stack.manage("create_api_key", "--project", "bench").strip().splitlines()[-1]
+    with bench_instance("multi-agent") as instance:
+        rest, key, data_dir = instance.rest(), instance.key, instance.data_dir
         model = build_tiny_model(data_dir / "models" / "tiny-chat")
         if args.base_model:
             model = Path(shutil.copytree(args.base_model, data_dir / "models" / "game-base"))
         elif args.warm_steps:
             model = warm_up(model, data_dir / "models" / "tiny-demo", args.warm_steps)
-        web = stack.start_web(port)
-        stack.start_worker(log_level="warning")
-        rest = httpx.Client(
-            base_url=f"http://127.0.0.1:{port}/api/v1",
-            headers={"Authorization": f"Bearer {key}"},
-            timeout=30,
-        )
-        stack.wait_ready(web, lambda: _up(rest), what="the web server")
         kinds = ["roles", "shared"] if args.shared else ["roles"]
         for kind in kinds:
             results.append(asyncio.run(measure(rest, key, model, kind, args)))
@@ -170,13 +149,6 @@ def warm_up(model: Path, out: Path, steps: int) -> Path:
         server.stop()
     print(f"warm-up: {steps} demo steps, reward {rewards[0]:.2f} -> {rewards[-1]:.2f}", flush=True)
     return warm
-
-
-def _up(rest: httpx.Client) -> bool:
-    try:
-        return rest.get("/project/").status_code == 200
-    except httpx.TransportError:
-        return False
 
 
 async def measure(rest: httpx.Client, key: str, model: Path, kind: str, args) -> dict:

@@ -13,6 +13,8 @@ Each process runs in its own session (process group) with its output in
 SIGKILL), so uvicorn's workers and Celery's beat go with their parent, then takes down
 the local Ray head a Celery worker started and the runs' folders it wrote: nothing is
 left behind. A process that exits while it is awaited fails the wait with its log tail.
+A benchmark that wants a whole instance (migrated, a project key, the web server and a
+worker up) takes ``bench_instance(name)``.
 
 Why here: this is harness code, not product code, so it stays out of the installed
 packages (webapp/, rl_core/, workers/); it lives beside the tests, its main users, and
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -32,7 +35,9 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -325,3 +330,53 @@ def _signal_group(proc: subprocess.Popen, sig: signal.Signals) -> None:
         os.killpg(proc.pid, sig)  # the group's id is the leader's PID (start_new_session)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+@dataclass(frozen=True)
+class Instance:
+    """A benchmark's whole Steep instance (``bench_instance``): its stack, folders, address
+    and one project key."""
+
+    stack: LiveStack
+    work: Path  # logs, and the instance's data under data/
+    data_dir: Path
+    url: str
+    key: str
+
+    def rest(self, timeout: float = 30.0):
+        """An ``httpx.Client`` on the REST API with the project key (httpx is imported here:
+        only the benchmarks that ask for a client need it)."""
+        import httpx
+
+        return httpx.Client(
+            base_url=f"{self.url}/api/v1",
+            headers={"Authorization": f"Bearer {self.key}"},
+            timeout=timeout,
+        )
+
+
+@contextmanager
+def bench_instance(
+    name: str, *, worker: bool = True, access_log: bool = True, **extra: str
+) -> Iterator[Instance]:
+    """A fresh instance under ``.steep/bench/NAME-<time>``: migrated, one project's API key,
+    the web server answering that key (and, with ``worker``, a Celery worker that starts its
+    own local Ray head), everything stopped on leaving the block. ``extra`` goes into
+    ``steep_env`` over the defaults (DEBUG on, a random SECRET_KEY)."""
+    work = ROOT / ".steep" / "bench" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    data_dir = work / "data"
+    data_dir.mkdir(parents=True)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    settings = {"DEBUG": "true", "SECRET_KEY": secrets.token_urlsafe(32)} | extra
+    env = steep_env(data_dir=data_dir, site_url=url, local_ray=worker, **settings)
+    with LiveStack(env=env, log_dir=work) as stack:
+        stack.manage("migrate", "--noinput", "-v0")
+        key = stack.manage("create_api_key", "--project", "bench").strip().splitlines()[-1]
+        web = stack.start_web(port, access_log=access_log)
+        if worker:
+            stack.start_worker(log_level="warning")
+        probe = f"{url}/api/v1/project/"
+        auth = {"Authorization": f"Bearer {key}"}
+        stack.wait_ready(web, lambda: answers(probe, headers=auth), what="the web server")
+        yield Instance(stack=stack, work=work, data_dir=data_dir, url=url, key=key)
