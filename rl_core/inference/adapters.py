@@ -16,9 +16,16 @@ import logging
 import re
 from typing import Any
 
+from rl_core.config import ROLE_NAME
+
 logger = logging.getLogger(__name__)
 
 _NAME = re.compile(r"-v(\d+)$")
+# A multi-agent run's role prefix, ``<run id>-<role>``: the run id is a UUID, so the role
+# starts after its twelve-digit last group.
+_ROLE_PREFIX = re.compile(
+    r"([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})-" + ROLE_NAME.pattern
+)
 
 
 def adapter_name(prefix: str, version: int) -> str:
@@ -29,6 +36,13 @@ def role_prefix(prefix: str, role: str = "") -> str:
     """The adapter prefix of one role of a multi-agent run (``<run>-<role>``; its versions
     are ``<run>-<role>-v<N>``); a one-policy run (role "") keeps the run's prefix."""
     return f"{prefix}-{role}" if role else prefix
+
+
+def run_of_prefix(prefix: str) -> str:
+    """The run an adapter prefix belongs to: ``<run id>-<role>`` → ``<run id>``; any other
+    prefix is its own (a one-policy run's prefix is its id)."""
+    match = _ROLE_PREFIX.fullmatch(prefix)
+    return match.group(1) if match else prefix
 
 
 def adapter_version(name: str | None) -> int | None:

@@ -174,3 +174,19 @@ def test_token_rates_count_the_last_window_per_run():
     assert rates.per_second(110.5) == {"a": 0.5}  # the second 100 left the window
     rates.add(collections.Counter({"b": 4}), now=200.0)
     assert rates.per_second(200.0) == {"b": 0.4}
+
+
+def test_a_multi_agent_runs_roles_are_one_tenant_with_the_runs_weight():
+    run = "5bb5e265-eb68-4037-8d16-5e44adf5babb"
+    assert tenant_of(f"{run}-speaker-v3") == tenant_of(f"{run}-listener-v3") == run
+    assert tenant_of(f"{run}-v3") == run
+    assert tenant_of("plain-speaker-v3") == "plain-speaker"  # not a run id: left as it is
+    queue = FairQueue(capacity=8)
+    queue.set_weights({run: 3.0})
+    roles = [Req(f"{run}-{role}-v1", steps=100) for role in ("speaker", "listener") * 10]
+    other = [Req("other-v1", steps=100) for _ in range(10)]
+    batch = simulate(queue, {0: roles + other}, steps=1)[0]
+    # Two tenants, weights 3 and 1: the run's roles together hold 6 of the 8 rows, not a share
+    # each (with one each they would take 2 x 8/3 rows between them and weigh 1 apiece).
+    held = collections.Counter(r.tenant for r in batch)
+    assert held == {run: 6, "other": 2}

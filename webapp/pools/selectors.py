@@ -122,7 +122,8 @@ def pool_stats(*, pool: Pool) -> dict:
             adapters.pop("", None) if "" in adapters else ", ".join(map(str, adapters.values()))
         )
         load = {"running_requests": 0, "queue_depth": 0, "tokens_per_s": 0.0}
-        for prefix in prefixes.values():
+        # The torch engine counts a multi-agent run's roles as the run (its fair-share tenant).
+        for prefix in {str(run.id), *prefixes.values()}:
             for name, value in figures.get(prefix, {}).items():
                 load[name] += value
         runs.append(

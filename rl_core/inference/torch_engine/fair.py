@@ -4,8 +4,9 @@ A shared pool serves many runs' adapters on one engine; first come, first served
 run that floods the pool fill the batch, and on a CPU (where every row and every prefill
 lengthens the step) slow down every other run's tokens with it (``bench/pool.py``: 3.68x
 another run's p50). So the waiting requests are kept per *tenant* (a run: the name of its
-adapter without the ``-v<N>`` version, ``rl_core.inference.adapters``; the base model is
-the tenant ``""``) and two rules pick who joins the batch:
+adapter without the ``-v<N>`` version, ``rl_core.inference.adapters``, and without the role
+of a multi-agent run, whose roles share its one share and weight; the base model is the
+tenant ``""``) and two rules pick who joins the batch:
 
 * **Share.** While several tenants are active (a request running or waiting, or one within
   the last ``linger_steps`` scheduler steps: an agent's next turn follows its last answer
@@ -29,18 +30,19 @@ import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from rl_core.inference.adapters import adapter_version
+from rl_core.inference.adapters import adapter_version, run_of_prefix
 
 BASE = ""  # the tenant of requests under no adapter
 
 
 def tenant_of(lora_path: str | None) -> str:
-    """The run an adapter name belongs to: ``<run>-v<N>`` → ``<run>``; no adapter → ``""``."""
+    """The run an adapter name belongs to: ``<run>-v<N>`` and ``<run>-<role>-v<N>`` →
+    ``<run>``; no adapter → ``""``."""
     if not lora_path:
         return BASE
     if adapter_version(lora_path) is None:
         return lora_path
-    return lora_path.rsplit("-v", 1)[0]
+    return run_of_prefix(lora_path.rsplit("-v", 1)[0])
 
 
 class FairQueue:
