@@ -196,3 +196,39 @@ def test_a_launch_lost_long_ago_is_a_crash_and_one_under_way_is_left_alone(
     lost.refresh_from_db()
     assert under_way.status == S.STARTING
     assert lost.status == S.QUEUED and lost.crash_restarts == 1
+
+
+def test_a_reconciler_that_read_the_run_before_another_restarted_it_leaves_it_alone(
+    project, make_run, set_status, settings, no_launch
+):
+    settings.RUN_MAX_RESTARTS = 3
+    run = set_status(make_run(project), S.RUNNING)
+    Run.objects.filter(pk=run.pk).update(job_id="steep-run-old")
+    first, stale = Run.objects.get(pk=run.pk), Run.objects.get(pk=run.pk)  # two passes' reads
+
+    assert run_job_died(run=first, state="MISSING") == "restarted"
+    assert run_job_died(run=stale, state="MISSING") == "skipped"  # queued: not its job's crash
+    Run.objects.filter(pk=run.pk).update(status=S.STARTING, job_id="")  # the new launch begins
+    assert run_job_died(run=stale, state="MISSING") == "skipped"
+    Run.objects.filter(pk=run.pk).update(status=S.RUNNING, job_id="steep-run-new")
+    assert run_job_died(run=stale, state="MISSING") == "skipped"
+
+    run.refresh_from_db()
+    assert run.status == S.RUNNING and run.crash_restarts == 1
+    assert RunEvent.objects.filter(run=run, kind="status:failed").count() == 1
+
+
+def test_a_transition_guarded_by_status_and_job_refuses_a_run_that_moved_on(
+    project, make_run, set_status
+):
+    from webapp.runs.services import IllegalTransition, run_transition
+
+    run = set_status(make_run(project), S.QUEUED)  # restarted since the caller looked
+    Run.objects.filter(pk=run.pk).update(job_id="steep-run-old")
+    with pytest.raises(IllegalTransition):
+        run_transition(run=run, to=S.FAILED, only_from=(S.STARTING, S.RUNNING))
+    Run.objects.filter(pk=run.pk).update(status=S.RUNNING, job_id="steep-run-new")
+    with pytest.raises(IllegalTransition):
+        run_transition(run=run, to=S.FAILED, job_id="steep-run-old")
+    run = run_transition(run=run, to=S.FAILED, only_from=(S.RUNNING,), job_id="steep-run-new")
+    assert run.status == S.FAILED

@@ -242,18 +242,25 @@ def run_job_died(*, run: Run, state: str, log_tail: Callable[[], str] = str) -> 
     restarts were made since it was last started by hand, is queued again from its last
     checkpoint. Returns ``"restarted"``, ``"failed"`` or ``"skipped"`` (the run moved meanwhile).
     """
+    # Only the attempt Ray was asked about: a reconciler that read the run before another one
+    # restarted it must not fail the new attempt (its restart would use up the budget at once).
+    job_id = run.job_id
     run.refresh_from_db()
-    if run.status not in (S.STARTING, S.RUNNING):
+    if run.status not in (S.STARTING, S.RUNNING) or run.job_id != job_id:
         return "skipped"
     tail = log_tail()
-    Run.objects.filter(pk=run.pk).update(job_log_tail=tail)
-    released = job_release(run=run)
     try:
         run = run_transition(
-            run=run, to=S.FAILED, error=f"The run's Ray job ended unexpectedly ({state}).\n\n{tail}"
+            run=run,
+            to=S.FAILED,
+            error=f"The run's Ray job ended unexpectedly ({state}).\n\n{tail}",
+            only_from=(S.STARTING, S.RUNNING),
+            job_id=job_id,
         )
     except IllegalTransition:
         return "skipped"
+    Run.objects.filter(pk=run.pk).update(job_log_tail=tail)
+    released = job_release(run=run)
     if run.crash_restarts >= settings.RUN_MAX_RESTARTS:
         return "failed"
     restarts = run.crash_restarts + 1

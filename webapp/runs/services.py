@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Collection
 from datetime import timedelta
 from pathlib import Path
 
@@ -199,11 +200,24 @@ def run_clone(
     return clone
 
 
-def run_transition(*, run: Run, to: str, message: str = "", error: str | None = None) -> Run:
-    """Move ``run`` to status ``to`` or raise IllegalTransition. Locks the row, so concurrent moves serialise."""
+def run_transition(
+    *,
+    run: Run,
+    to: str,
+    message: str = "",
+    error: str | None = None,
+    only_from: Collection[str] | None = None,
+    job_id: str | None = None,
+) -> Run:
+    """Move ``run`` to status ``to`` or raise IllegalTransition. Locks the row, so concurrent
+    moves serialise. ``only_from`` and ``job_id``: raise IllegalTransition too unless the locked
+    row is still in one of these statuses and on this job (what the caller decided on)."""
     with transaction.atomic():
         locked = Run.objects.select_for_update().get(pk=run.pk)
-        if to not in TRANSITIONS[locked.status]:
+        moved = (only_from is not None and locked.status not in only_from) or (
+            job_id is not None and locked.job_id != job_id
+        )
+        if moved or to not in TRANSITIONS[locked.status]:
             raise IllegalTransition(locked, locked.status, to)
         now = timezone.now()
         fields = ["status", "updated_at", "queue_reason"]
