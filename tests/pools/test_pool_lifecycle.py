@@ -44,6 +44,21 @@ def test_a_serving_pool_whose_job_died_is_launched_again(
     assert not pool.servers.exists() and not InferenceServer.objects.filter(run=run).exists()
 
 
+def test_a_pass_that_read_the_pool_before_it_was_relaunched_leaves_it_alone(
+    serving, monkeypatch, django_capture_on_commit_callbacks
+):
+    from webapp.pools import tasks
+
+    pool, _ = serving
+    stale = Pool.objects.get(pk=pool.pk)  # a second reconcile pass's read of the dead job
+    monkeypatch.setattr(tasks.pool_launch, "delay", lambda pk: None)
+    with django_capture_on_commit_callbacks(execute=True):
+        assert pool_job_died(pool=pool, state="MISSING") == "relaunched"
+    assert pool_job_died(pool=stale, state="MISSING") == "skipped"
+    pool.refresh_from_db()
+    assert pool.status == P.STARTING  # relaunching, not failed
+
+
 def test_a_pool_whose_job_died_before_serving_fails_with_the_reason(make_pool):
     pool = pool_transition(pool=make_pool(name="shared"), to=P.STARTING)
     assert pool_job_died(pool=pool, state="FAILED") == "failed"

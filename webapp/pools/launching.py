@@ -108,7 +108,10 @@ def pool_job_died(*, pool: Pool, state: str) -> str:
     """The pool's job ended (Ray says ``state``) under a starting or running pool. A pool that
     was serving is launched again (``"relaunched"``); one that never served fails
     (``"failed"``): a bad model or backend would otherwise be retried forever."""
-    pool.refresh_from_db()
+    job_id = pool.job_id  # the job Ray was asked about: a pass that read the pool before
+    pool.refresh_from_db()  # another relaunched it leaves the new attempt alone
+    if pool.job_id != job_id:
+        return "skipped"
     error = f"The pool's Ray job ended unexpectedly ({state})."
     try:
         if pool.status == P.RUNNING:
