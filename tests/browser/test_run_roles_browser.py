@@ -129,3 +129,9 @@ def test_the_recent_sessions_filter_by_role(logged_in, live_server, roles_run):
     assert active.inner_text() == "listener"
     page.locator("#fold-sessions").screenshot(path=str(SHOTS / "run-sessions-by-role-1400.png"))
     assert_fits(page)
+    page.set_viewport_size({"width": 390, "height": 900})
+    page.reload()
+    page.locator("#fold-sessions").evaluate("d => { d.open = true }")  # folded on a phone
+    assert rows.locator("td code").all_inner_texts() == [ids["listener"]]
+    page.locator("#fold-sessions").screenshot(path=str(SHOTS / "run-sessions-by-role-390.png"))
+    assert_fits(page)
