@@ -59,6 +59,38 @@ def test_a_pass_that_read_the_pool_before_it_was_relaunched_leaves_it_alone(
     assert pool.status == P.STARTING  # relaunching, not failed
 
 
+def test_a_pool_relaunched_between_a_passs_read_and_its_move_is_left_alone(serving, monkeypatch):
+    from webapp.pools import tasks
+
+    pool, _ = serving
+    monkeypatch.setattr(tasks.pool_launch, "delay", lambda pk: None)
+    refresh = Pool.refresh_from_db
+
+    def another_pass_relaunches_it_meanwhile(self, *args, **kwargs):
+        refresh(self, *args, **kwargs)  # this pass sees the dead job ...
+        Pool.objects.filter(pk=self.pk).update(job_id="steep-pool-shared-2")  # ... then not
+
+    monkeypatch.setattr(Pool, "refresh_from_db", another_pass_relaunches_it_meanwhile)
+    assert pool_job_died(pool=pool, state="MISSING") == "skipped"
+    monkeypatch.setattr(Pool, "refresh_from_db", refresh)
+    pool.refresh_from_db()
+    assert (pool.status, pool.job_id) == (P.RUNNING, "steep-pool-shared-2")
+
+
+def test_a_pool_transition_guarded_by_status_and_job_refuses_a_pool_that_moved_on(serving):
+    from webapp.pools.services import IllegalPoolTransition
+
+    pool, _ = serving
+    with pytest.raises(IllegalPoolTransition):
+        pool_transition(pool=pool, to=P.FAILED, only_from=(P.STARTING,))
+    with pytest.raises(IllegalPoolTransition):
+        pool_transition(pool=pool, to=P.FAILED, job_id="steep-pool-shared-0")
+    pool = pool_transition(
+        pool=pool, to=P.FAILED, only_from=(P.RUNNING,), job_id="steep-pool-shared-1"
+    )
+    assert pool.status == P.FAILED
+
+
 def test_a_pool_whose_job_died_before_serving_fails_with_the_reason(make_pool):
     pool = pool_transition(pool=make_pool(name="shared"), to=P.STARTING)
     assert pool_job_died(pool=pool, state="FAILED") == "failed"

@@ -113,11 +113,13 @@ def pool_job_died(*, pool: Pool, state: str) -> str:
     if pool.job_id != job_id:
         return "skipped"
     error = f"The pool's Ray job ended unexpectedly ({state})."
+    # The same checks again under the row lock: another pass may relaunch it from here on.
+    seen = (pool.status,)
     try:
         if pool.status == P.RUNNING:
-            services.pool_start(pool=pool, error=error)
+            services.pool_start(pool=pool, error=error, only_from=seen, job_id=job_id)
             return "relaunched"
-        services.pool_transition(pool=pool, to=P.FAILED, error=error)
+        services.pool_transition(pool=pool, to=P.FAILED, error=error, only_from=seen, job_id=job_id)
         return "failed"
     except services.IllegalPoolTransition:  # moved meanwhile
         return "skipped"

@@ -7,7 +7,7 @@ its Ray job (``webapp.pools.launching``) once the change is committed.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from django.core.exceptions import ValidationError
 from django.db import transaction
@@ -51,11 +51,23 @@ class IllegalPoolTransition(Exception):
         )
 
 
-def pool_transition(*, pool: Pool, to: str, error: str = "") -> Pool:
-    """Move ``pool`` to ``to`` under a row lock, or raise ``IllegalPoolTransition``."""
+def pool_transition(
+    *,
+    pool: Pool,
+    to: str,
+    error: str = "",
+    only_from: Collection[str] | None = None,
+    job_id: str | None = None,
+) -> Pool:
+    """Move ``pool`` to ``to`` under a row lock, or raise ``IllegalPoolTransition``.
+    ``only_from`` and ``job_id``: raise it too unless the locked row is still in one of these
+    statuses and on this job (what the caller decided on)."""
     with transaction.atomic():
         locked = Pool.objects.select_for_update().get(pk=pool.pk)
-        if to not in TRANSITIONS[locked.status]:
+        moved = (only_from is not None and locked.status not in only_from) or (
+            job_id is not None and locked.job_id != job_id
+        )
+        if moved or to not in TRANSITIONS[locked.status]:
             raise IllegalPoolTransition(locked, to)
         locked.status = to
         fields = ["status", "updated_at"]
@@ -148,10 +160,19 @@ def pool_create(
     return pool
 
 
-def pool_start(*, pool: Pool, error: str = "") -> Pool:
+def pool_start(
+    *,
+    pool: Pool,
+    error: str = "",
+    only_from: Collection[str] | None = None,
+    job_id: str | None = None,
+) -> Pool:
     """Queue the pool's job (stopped, failed, interrupted, or a running one whose job died:
-    ``error`` says so); its servers come up in the background."""
-    pool = pool_transition(pool=pool, to=P.STARTING, error=error)
+    ``error`` says so); its servers come up in the background. ``only_from``, ``job_id``: as
+    for ``pool_transition``."""
+    pool = pool_transition(
+        pool=pool, to=P.STARTING, error=error, only_from=only_from, job_id=job_id
+    )
 
     def queue() -> None:
         from webapp.pools.tasks import pool_launch
