@@ -108,12 +108,11 @@ def pool_job_died(*, pool: Pool, state: str) -> str:
     """The pool's job ended (Ray says ``state``) under a starting or running pool. A pool that
     was serving is launched again (``"relaunched"``); one that never served fails
     (``"failed"``): a bad model or backend would otherwise be retried forever."""
-    job_id = pool.job_id  # the job Ray was asked about: a pass that read the pool before
-    pool.refresh_from_db()  # another relaunched it leaves the new attempt alone
-    if pool.job_id != job_id:
-        return "skipped"
+    job_id = pool.job_id  # the job Ray was asked about
+    pool.refresh_from_db()
     error = f"The pool's Ray job ended unexpectedly ({state})."
-    # The same checks again under the row lock: another pass may relaunch it from here on.
+    # Under the row lock, only the status decided on and that job: a pass that read the pool
+    # before another relaunched it leaves the new attempt alone.
     seen = (pool.status,)
     try:
         if pool.status == P.RUNNING:
